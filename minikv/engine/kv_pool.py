@@ -1,0 +1,68 @@
+"""The KV pool: one big preallocated tensor of K/V blocks, shared by every request.
+
+PagedAttention's idea (Kwon et al., SOSP 2023) is to treat KV memory like virtual memory:
+a sequence's K/V live in fixed-size *blocks* scattered anywhere in the pool, and a per-sequence
+*block table* maps logical block ``i`` to a physical block id.  No sequence needs a contiguous
+region, so there is no fragmentation and blocks can be shared between sequences.
+
+The same sharing is the security problem of this course: a block outlives the request that
+wrote it, so whatever guards *which* request may read it must be right.
+
+Layout: ``k_cache[layer, block, slot, kv_head, head_dim]`` (and ``v_cache`` likewise).  A
+token at position ``p`` of a sequence lives in slot ``p % block_size`` of physical block
+``block_table[p // block_size]``; its flat *slot index* is ``block_id * block_size + slot``.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """K and V, for every layer and KV head: the memory one token costs in the cache."""
+    return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+class KVPool:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str, zero_init: bool = True):
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        # zero_init=False (scrub="none") keeps torch.empty's uninitialised memory: whatever the
+        # allocator last held is visible.  A safe configuration never hands that to a request.
+        alloc = torch.zeros if zero_init else torch.empty
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
+        self.k_cache = alloc(shape, dtype=dtype, device=self.device)
+        self.v_cache = alloc(shape, dtype=dtype, device=self.device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k_cache.nbytes + self.v_cache.nbytes
+
+    def zero_blocks(self, block_ids: list[int]) -> None:
+        """Scrub: overwrite every layer's K and V of these blocks with zeros (one indexed write
+        per tensor, not a Python loop)."""
+        if not block_ids:
+            return
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
+        self.k_cache.index_fill_(1, idx, 0)
+        self.v_cache.index_fill_(1, idx, 0)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new tokens' K/V ([T, kv_heads, head_dim]) at flat slot indices ``slots``."""
+        flat = (self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
+        self.k_cache[layer].view(flat).index_copy_(0, slots, k.to(self.dtype))
+        self.v_cache[layer].view(flat).index_copy_(0, slots, v.to(self.dtype))
+
+    def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of whole blocks for each row of ``block_tables`` ([B, max_blocks]) as
+        [B, max_blocks * block_size, kv_heads, head_dim].  Slots past a sequence's length hold
+        stale data; attention must mask them (see ``attention.context_mask``)."""
+        b, n = block_tables.shape
+        k = self.k_cache[layer][block_tables].reshape(b, n * self.block_size, self.num_kv_heads, self.head_dim)
+        v = self.v_cache[layer][block_tables].reshape(b, n * self.block_size, self.num_kv_heads, self.head_dim)
+        return k, v
+
+    def read_block(self, block_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """All layers' K/V of one block ([layers, block_size, kv_heads, head_dim]); for lessons."""
+        return self.k_cache[:, block_id].clone(), self.v_cache[:, block_id].clone()

@@ -1,0 +1,93 @@
+"""``LLM``: the offline, batch API -- the same names and shapes as vLLM's.
+
+    llm = LLM("smollm2-135m-instruct", enable_prefix_caching=True)
+    outs = llm.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0.0), tenant="alice")
+    outs[0].outputs[0].text, outs[0].num_cached_tokens
+
+``generate`` queues every prompt and steps the engine until they are all finished; the engine
+batches them continuously.  ``llm.engine`` is the step-by-step API for lessons and servers.
+"""
+from __future__ import annotations
+
+from .config import EngineConfig
+from .engine import LLMEngine
+from .outputs import RequestOutput
+from .sampling import SamplingParams
+
+
+def _as_prompt_list(prompts) -> list:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [list(prompts)]  # one prompt given as token ids
+        return list(prompts)
+    raise TypeError(f"prompts must be a str, a list of str or a list of token-id lists, got {type(prompts).__name__}")
+
+
+def _per_prompt(value, n: int, name: str) -> list:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries for {n} prompts")
+        return list(value)
+    return [value] * n
+
+
+class LLM:
+    """A model plus a KV-cache engine.  Keyword arguments are :class:`EngineConfig` fields."""
+
+    def __init__(self, model: str = "smollm2-135m-instruct", **kwargs):
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list | None = None,
+                 tenant: str | None | list = None) -> list[RequestOutput]:
+        """Complete every prompt; outputs come back in the order of ``prompts``.
+
+        ``tenant`` is a tenant name (str), None for the anonymous tenant, or one per prompt.
+        """
+        prompts = _as_prompt_list(prompts)
+        params = _per_prompt(sampling_params if sampling_params is not None else SamplingParams(),
+                             len(prompts), "sampling_params")
+        tenants = _per_prompt(tenant, len(prompts), "tenant")
+        for t in tenants:
+            if t is not None and not isinstance(t, str):
+                raise TypeError(f"tenant must be a str or None, got {type(t).__name__}")
+        ids: list[str] = []
+        try:
+            for p, sp, t in zip(prompts, params, tenants):
+                rid = self.engine.new_request_id()
+                self.engine.add_request(rid, p, sp, tenant=t)
+                ids.append(rid)
+        except Exception:
+            for rid in ids:  # all or nothing: a bad prompt must not leave orphans running
+                self.engine.abort_request(rid)
+            raise
+        return self._run(ids)
+
+    def _run(self, ids: list[str]) -> list[RequestOutput]:
+        pending, done = set(ids), {}
+        while pending:
+            for out in self.engine.step():
+                if out.finished and out.request_id in pending:
+                    done[out.request_id] = out
+                    pending.discard(out.request_id)
+        return [done[r] for r in ids]
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        return self.engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def chat(self, messages, sampling_params: SamplingParams | None = None,
+             tenant: str | None | list = None) -> list[RequestOutput]:
+        """Chat completion: ``messages`` is one conversation (list of {role, content} dicts) or
+        a list of them.  The model's chat template is applied, then the text is tokenized
+        without adding special tokens again (the template already has them)."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.engine.tokenizer
+        prompts = [tok(self.apply_chat_template(c), add_special_tokens=False).input_ids for c in convs]
+        outs = self.generate(prompts, sampling_params, tenant)
+        for out, conv in zip(outs, convs):
+            out.prompt = self.apply_chat_template(conv)
+        return outs

@@ -1,0 +1,42 @@
+"""What a request returns, named as in vLLM so that code written against minikv reads the same."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None  # "stop", "length", "abort" or None while running
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Time to first token, queueing included (``time.perf_counter`` clock)."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_s(self) -> float | None:
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int
+    metrics: RequestMetrics
+    tenant: str | None = None
+    num_preemptions: int = 0
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,77 @@
+"""One request's life inside the engine.
+
+A :class:`Sequence` is the engine's record of a request: its tokens, where their K/V live
+(the *block table*), how many of them have K/V computed, and the timing of its life.  The
+scheduler moves it between the ``waiting`` and ``running`` queues; the block manager fills
+its block table.  Nothing here touches torch tensors, so a sequence is cheap to inspect.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # keep this module torch-free at run time
+    from .sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued; holds no blocks
+    RUNNING = "running"  # holds blocks; gets a token every step
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: "SamplingParams"
+    tenant: str | None = None
+    prompt: str | None = None
+    # Isolation domain: the server-side key that enters this request's block hashes, and how
+    # many leading tokens belong to an operator-declared public prefix (hashed without it).
+    tenant_key: bytes | None = None
+    public_len: int = 0
+    cacheable: bool = True  # False under cache_isolation="request"
+    output_token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, in order
+    num_computed_tokens: int = 0  # tokens whose K/V are in the pool
+    num_cached_tokens: int | None = None  # prefix-cache hit at first admission
+    num_preemptions: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None
+    output_text: str = ""
+    generator: object = None
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def block_tokens(self, i: int, block_size: int) -> tuple[int, ...]:
+        """Token ids stored in logical block ``i``."""
+        return tuple(self.token_ids[i * block_size:(i + 1) * block_size])
+
+    def domain_key(self, i: int, block_size: int) -> bytes | None:
+        """The tenant key for logical block ``i``: None while the block lies entirely inside
+        an operator-declared public prefix (so every tenant can share it), the tenant's own
+        key afterwards."""
+        if (i + 1) * block_size <= self.public_len:
+            return None
+        return self.tenant_key

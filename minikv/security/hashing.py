@@ -1,0 +1,220 @@
+"""Block hashers: how a KV block's prefix-cache key is computed.
+
+With prefix caching on, the engine looks blocks up by a hash of everything that determines
+their K/V contents: the parent block's hash (so a key stands for the *whole* prefix, not just
+16 tokens), the block's token ids, extra keys, and -- in minikv -- the tenant key.  Two
+failure modes matter for security:
+
+* **Collisions.**  If two different prefixes share a key, a request silently reuses K/V
+  computed for someone else's text: wrong output at best, a cross-tenant leak at worst
+  (the attacker's request attends over the victim's cached K/V).  An attacker who can
+  *craft* colliding blocks can also poison the cache for others.  A collision-resistant
+  hash (SHA-256, BLAKE2) over an injective encoding (:mod:`.encoding`) rules this out.
+* **Guessable keys.**  An unkeyed hash lets anyone who sees or infers a key test guesses
+  offline.  Keying the hash with a server-side secret (HMAC, keyed BLAKE2) means only the
+  engine can compute keys.  Keying it per tenant (:mod:`.keys`) additionally means that
+  equal prompts from different tenants never share blocks.
+
+Every hasher follows the ``BlockHasher`` protocol below (the seam from ARCHITECTURE.md) and
+is built by ``make_hasher(name, secret)``.  The three UNSAFE hashers exist so the course
+can demonstrate real collisions (see :mod:`.collisions`); never serve traffic with them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from typing import Protocol, runtime_checkable
+
+from .encoding import encode_fields
+from .keys import MIN_SECRET_BYTES, _check_secret, derive_shared_key
+
+__all__ = [
+    "BlockHasher",
+    "Sha256Hasher",
+    "HmacSha256Hasher",
+    "Blake2bKeyedHasher",
+    "BuiltinHasher",
+    "Trunc32Hasher",
+    "PolyHasher",
+    "HASHERS",
+    "UNSAFE_HASHES",
+    "make_hasher",
+]
+
+
+@runtime_checkable
+class BlockHasher(Protocol):
+    """The seam: return the cache key of one full block (any ``bytes``, same input -> same key)."""
+
+    def __call__(self, parent: bytes | None, tokens: tuple[int, ...],
+                 extra: tuple, tenant_key: bytes | None) -> bytes: ...
+
+
+class Sha256Hasher:
+    """SHA-256 over the typed encoding of (parent, tokens, extra, tenant_key).
+
+    This is vLLM's default block hash since v0.10.2, which replaced Python's ``hash()``
+    after crafted collisions were shown to be practical.  Security property: collision
+    resistance (~2**128 work to find any collision).  It is *unkeyed*: anyone can compute
+    the key of a guessed prefix, so isolation between tenants rests entirely on the secret
+    ``tenant_key`` being part of the input.  Deterministic across processes and machines.
+    """
+
+    name, digest_size, keyed, unsafe = "sha256", 32, False, False
+
+    def __init__(self, secret: bytes):
+        _check_secret(secret)  # unused, but every hasher is built the same way
+
+    def __call__(self, parent, tokens, extra, tenant_key):
+        return hashlib.sha256(encode_fields(parent, tokens, extra, tenant_key)).digest()
+
+
+class _KeyedHasher:
+    """Shared logic: pick the tenant key, or the engine-wide shared key when there is none."""
+
+    keyed, unsafe, digest_size = True, False, 32
+
+    def __init__(self, secret: bytes):
+        self._shared_key = derive_shared_key(secret)
+
+    def _key(self, tenant_key):
+        if tenant_key is None:
+            return self._shared_key
+        if len(tenant_key) < MIN_SECRET_BYTES:
+            raise ValueError(f"tenant_key must be at least {MIN_SECRET_BYTES} bytes, got {len(tenant_key)}")
+        return tenant_key
+
+    @staticmethod
+    def _message(parent, tokens, extra, tenant_key) -> bytes:
+        # The "keyed by a tenant?" flag puts tenant-keyed and shared blocks in disjoint
+        # message domains, a second wall behind the key itself.
+        return encode_fields(parent, tokens, extra, tenant_key is not None)
+
+
+class HmacSha256Hasher(_KeyedHasher):
+    """HMAC-SHA256 keyed with ``tenant_key`` (or the shared key derived from the secret).
+
+    Security property: a pseudo-random function.  Without the key, block hashes are
+    unpredictable and unforgeable, so neither a client nor a reader of a hash dump can
+    confirm a guessed prompt; with different keys, equal prompts get unrelated hashes.
+    """
+
+    name = "hmac-sha256"
+
+    def __call__(self, parent, tokens, extra, tenant_key):
+        return hmac.digest(self._key(tenant_key), self._message(parent, tokens, extra, tenant_key), "sha256")
+
+
+class Blake2bKeyedHasher(_KeyedHasher):
+    """BLAKE2b in its built-in keyed mode (32-byte digest), same keying as HMAC.
+
+    Same security property as HMAC-SHA256 (BLAKE2's keyed mode is a PRF by design, no
+    HMAC wrapper needed), one compression pass instead of HMAC's extra ones.  The
+    ``person`` string domain-separates minikv block keys from any other BLAKE2b use.
+    """
+
+    name = "blake2b-keyed"
+    _PERSON = b"minikv/block/v1"
+
+    def __call__(self, parent, tokens, extra, tenant_key):
+        return hashlib.blake2b(self._message(parent, tokens, extra, tenant_key), digest_size=32,
+                               key=self._key(tenant_key), person=self._PERSON).digest()
+
+
+# ---------------------------------------------------------------- UNSAFE hashers
+
+
+def _bytes_as_int(value: bytes | None) -> int:
+    # A deterministic stand-in for hash(bytes), which PYTHONHASHSEED would randomise.
+    return 0 if value is None else int.from_bytes(value[:8], "big")
+
+
+def _extra_as_int(value) -> int:
+    if type(value) is int:
+        return value
+    return int.from_bytes(hashlib.sha256(encode_fields(value)).digest()[:8], "big")
+
+
+class BuiltinHasher:
+    """UNSAFE: Python's ``hash()`` of ``(parent_int, tenant_int, *extra_ints, *tokens)``, 8 bytes.
+
+    This is what vLLM used before v0.10.2.  ``hash()`` of a tuple of ints is a 64-bit
+    xxHash-style mix that is *not* seeded by ``PYTHONHASHSEED`` (only str/bytes hashes
+    are), and it is invertible step by step, so anyone can compute it and crafted
+    collisions take seconds (:func:`minikv.security.collisions.search_builtin_collision`).
+    Parent and tenant key enter as the int of their first 8 bytes (0 for ``None``) so the
+    result is stable across processes.
+    """
+
+    name, digest_size, keyed, unsafe = "builtin", 8, False, True
+
+    def __init__(self, secret: bytes):
+        _check_secret(secret)
+
+    def __call__(self, parent, tokens, extra, tenant_key):
+        lanes = (_bytes_as_int(parent), _bytes_as_int(tenant_key), *map(_extra_as_int, extra), *tokens)
+        return hash(lanes).to_bytes(8, "big", signed=True)
+
+
+class Trunc32Hasher:
+    """UNSAFE: SHA-256 of the same input as :class:`Sha256Hasher`, truncated to 4 bytes.
+
+    The hash function is fine; the output is too short.  By the birthday bound, about
+    2**16 random blocks already contain a colliding pair -- a fraction of a second.
+    """
+
+    name, digest_size, keyed, unsafe = "trunc32", 4, False, True
+
+    def __init__(self, secret: bytes):
+        _check_secret(secret)
+
+    def __call__(self, parent, tokens, extra, tenant_key):
+        return hashlib.sha256(encode_fields(parent, tokens, extra, tenant_key)).digest()[:4]
+
+
+_MASK64 = (1 << 64) - 1
+
+
+class PolyHasher:
+    """UNSAFE: polynomial hash ``h = sum(s_i * 31**i) mod 2**64``, 8 bytes.
+
+    ``s = [parent_int, tenant_int, *extra_ints, *tokens]``.  Rolling/polynomial hashes are
+    tempting because they are cheap and incremental, but they are *linear*: adding 31 to
+    token j and subtracting 1 from token j+1 changes h by ``31*31**i - 31**(i+1) = 0``, so
+    collisions need no search at all.  A hash of this family was proposed for a
+    prefix-cache key in Megatron-LM PR #4158.
+    """
+
+    name, digest_size, keyed, unsafe = "poly", 8, False, True
+    BASE = 31
+
+    def __init__(self, secret: bytes):
+        _check_secret(secret)
+
+    def __call__(self, parent, tokens, extra, tenant_key):
+        seq = (_bytes_as_int(parent), _bytes_as_int(tenant_key), *map(_extra_as_int, extra), *tokens)
+        h = 0
+        for s in reversed(seq):  # Horner's rule: s_0 + 31*(s_1 + 31*(s_2 + ...))
+            h = h * 31 + s
+        return (h & _MASK64).to_bytes(8, "big")
+
+
+HASHERS: dict[str, type] = {
+    cls.name: cls
+    for cls in (Sha256Hasher, HmacSha256Hasher, Blake2bKeyedHasher, BuiltinHasher, Trunc32Hasher, PolyHasher)
+}
+UNSAFE_HASHES = frozenset({"builtin", "trunc32", "poly"})
+
+
+def make_hasher(name: str, secret: bytes) -> BlockHasher:
+    """Build the registered hasher ``name``, keyed (where it is keyed) from ``secret``.
+
+    Raises:
+        ValueError: unknown ``name`` (the message lists valid names), or ``secret`` too short.
+        TypeError: ``secret`` is not bytes.
+    """
+    cls = HASHERS.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise ValueError(f"unknown hash algorithm {name!r}; valid names: {', '.join(sorted(HASHERS))}")
+    return cls(secret)

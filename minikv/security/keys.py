@@ -1,0 +1,104 @@
+"""Server-side key material: the engine secret and the keys derived from it.
+
+Why per-tenant keys at all
+--------------------------
+A shared prefix cache is a side channel.  If tenant B's prompt reuses blocks that tenant A
+computed, B's request is measurably faster (fewer tokens to prefill), so B can *probe*
+"did anyone recently send this prefix?" one guess at a time and reconstruct A's prompt.
+The structural fix is to make cache keys tenant-specific: if the block key covers a key
+that only the server knows and that differs per tenant, B's guesses can only ever hit B's
+own blocks.
+
+Why the key lives on the server
+-------------------------------
+vLLM's answer to this problem is a per-request ``cache_salt`` chosen by the *client*.  A
+salt the client sends is only as secret as the client keeps it; anyone who learns or
+guesses it (it travels in request bodies, logs, shared SDK configs) can send the same salt
+and share the cache again -- vLLM issue #53347 discusses exactly this.  minikv instead
+derives the key on the server from (engine secret, authenticated tenant id): clients never
+see it, cannot choose it and cannot copy another tenant's.
+
+Derivation
+----------
+Every key is ``HMAC-SHA256(secret, encode_fields(label, ...))`` with a distinct, versioned
+label per purpose ("domain separation"): a tenant key can never equal the operator key or
+the shared key, and bumping ``/v1`` rotates every key of one kind at once.  The label and
+the tenant id go through :func:`~minikv.security.encoding.encode_fields`, so the anonymous
+tenant (``None``) and the empty-string tenant (``""``) get different keys.
+"""
+
+from __future__ import annotations
+
+import hmac
+import secrets
+
+from .encoding import encode_fields
+
+__all__ = [
+    "SECRET_BYTES",
+    "MIN_SECRET_BYTES",
+    "new_engine_secret",
+    "derive_tenant_key",
+    "derive_operator_key",
+    "derive_shared_key",
+]
+
+SECRET_BYTES = 32  # 256 bits: the HMAC-SHA256 block key size we aim for
+MIN_SECRET_BYTES = 16  # 128 bits: below this, brute-forcing the secret becomes a real risk
+
+_TENANT_LABEL = "minikv/tenant-key/v1"
+_OPERATOR_LABEL = "minikv/operator-key/v1"
+_SHARED_LABEL = "minikv/shared-key/v1"
+
+
+def new_engine_secret() -> bytes:
+    """Return 32 fresh bytes from the OS CSPRNG (:mod:`secrets`, never :mod:`random`).
+
+    An engine started without a configured secret uses a random one, which is safe but
+    means cache keys (and audit fingerprints) change on every restart.
+    """
+    return secrets.token_bytes(SECRET_BYTES)
+
+
+def _check_secret(secret) -> bytes:
+    if not isinstance(secret, (bytes, bytearray)):
+        raise TypeError(f"engine secret must be bytes, got {type(secret).__name__}")
+    if len(secret) < MIN_SECRET_BYTES:
+        raise ValueError(
+            f"engine secret must be at least {MIN_SECRET_BYTES} bytes, got {len(secret)} bytes"
+        )
+    return bytes(secret)
+
+
+def _derive(secret, *fields) -> bytes:
+    return hmac.digest(_check_secret(secret), encode_fields(*fields), "sha256")
+
+
+def derive_tenant_key(secret: bytes, tenant: str | None) -> bytes:
+    """Return the 32-byte cache key of ``tenant`` (``None`` = anonymous requests).
+
+    Deterministic: the same (secret, tenant) always gives the same key, so a tenant's
+    blocks keep hitting across its requests; different tenants get unrelated keys.
+    """
+    if tenant is not None and not isinstance(tenant, str):
+        raise TypeError(f"tenant must be a str or None, got {type(tenant).__name__}")
+    return _derive(secret, _TENANT_LABEL, tenant)
+
+
+def derive_operator_key(secret: bytes) -> bytes:
+    """Return the key that keys audit-log fingerprints of block hashes.
+
+    Fingerprints are ``HMAC(operator_key, block_hash)``: someone reading the log cannot
+    hash a guessed prompt and look for it, because they lack this key.
+    """
+    return _derive(secret, _OPERATOR_LABEL)
+
+
+def derive_shared_key(secret: bytes) -> bytes:
+    """Return the key that keyed block hashers use when ``tenant_key`` is ``None``.
+
+    That is the case under ``cache_isolation="shared"`` and for operator-declared public
+    prefixes.  Keying those hashes too means block hashes still reveal nothing to someone
+    who sees them (e.g. in a debug dump) but not the engine secret.
+    """
+    return _derive(secret, _SHARED_LABEL)

@@ -1,0 +1,209 @@
+"""Timing audit client against an in-process fake OpenAI-compatible server (loopback only).
+
+The fake simulates a prefix cache by sleeping: 5 ms on a hit, 25 ms on a miss, keyed either
+globally (shared cache) or per API key (isolated).  It tests the client protocol and verdict
+logic; the real minikv server is audited elsewhere.
+"""
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+fastapi = pytest.importorskip("fastapi")
+uvicorn = pytest.importorskip("uvicorn")
+from fastapi import FastAPI, Request  # noqa: E402
+
+from minikv.audit.cli import add_audit_parser  # noqa: E402
+from minikv.audit.timing import (TimingAuditError, TimingPlan, TimingReport, _Pacer,  # noqa: E402
+                                 plan_timing_audit, run_timing_audit)
+
+N = 16  # per arm: just above the 15-sample floor for alpha = 1e-8
+PREFIX_WORDS = 40  # the fake caches the first 40 words (a "block-aligned prefix")
+
+
+class FakeAPI:
+    def __init__(self):
+        self.mode = "global"  # or "per_tenant"
+        self.cache: set = set()
+        self.log: list = []  # (time, key, path)
+        app = FastAPI()
+
+        async def handle(request: Request, prompt: str):
+            key = request.headers.get("authorization", "")
+            self.log.append((time.monotonic(), key, request.url.path))
+            if key != "Bearer attacker" and key != "Bearer victim":
+                return fastapi.responses.JSONResponse({"error": "bad key"}, status_code=401)
+            entry = (None if self.mode == "global" else key, tuple(prompt.split()[:PREFIX_WORDS]))
+            hit = entry in self.cache
+            self.cache.add(entry)
+            await asyncio.sleep(0.005 if hit else 0.025)
+            return {"id": "x", "object": "text_completion", "model": "fake",
+                    "choices": [{"index": 0, "text": "a", "finish_reason": "length"}],
+                    "usage": {"prompt_tokens": len(prompt.split()), "completion_tokens": 1}}
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            return await handle(request, (await request.json())["prompt"])
+
+        @app.post("/v1/chat/completions")
+        async def chat(request: Request):
+            return await handle(request, (await request.json())["messages"][-1]["content"])
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/v1"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def start(self):
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert self.server.started, "fake server did not start"
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.sock.close()
+
+    def posts(self):
+        return [e for e in self.log if e[2] != "/v1/models"]
+
+
+@pytest.fixture(scope="module")
+def fake():
+    srv = FakeAPI()
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def api(fake):
+    fake.log.clear()
+    fake.mode = "global"
+    return fake
+
+
+def audit(api, **kw):
+    kw.setdefault("victim_key", "victim")
+    return run_timing_audit(api.url, "attacker", n_samples=N, prompt_tokens=60, progress=False, **kw)
+
+
+def test_global_cache_is_detected_across_keys(api):
+    rep = audit(api, model="fake")
+    assert isinstance(rep, TimingReport) and rep.separate_victim
+    assert rep.detected, rep.verdict
+    assert rep.verdict.startswith("CACHE SHARING DETECTED between attacker and victim (p=")
+    assert rep.result.auc > 0.9 and len(rep.hit_times) == len(rep.miss_times) == N
+    # protocol: 1 warm-up + N*(victim prime + probe) + N misses, victims only ever prime
+    assert len(api.posts()) == rep.n_requests == 1 + 3 * N
+    assert sum(k == "Bearer victim" for _, k, _ in api.posts()) == N
+
+
+def test_per_tenant_cache_is_not_detected(api):
+    api.mode = "per_tenant"
+    rep = audit(api, model="fake", endpoint="chat")
+    assert not rep.detected and rep.verdict.startswith("no evidence of sharing")
+
+
+def test_self_priming_detects_per_user_caching(api):
+    api.mode = "per_tenant"
+    rep = audit(api, victim_key=None, prefix_fraction=0.8)  # also: model discovered via GET /models
+    assert rep.model == "fake-model" and not rep.separate_victim
+    assert rep.detected and "per-user" in rep.verdict
+    assert all(k == "Bearer attacker" for _, k, _ in api.log)
+
+
+def test_dry_run_sends_nothing(api):
+    plan = audit(api, dry_run=True, model="fake", victim_requests=5)
+    assert isinstance(plan, TimingPlan) and api.log == []
+    assert plan.n_requests == 1 + N * 6 + N
+    assert plan == plan_timing_audit(api.url, N, 60, 5, "completions", "victim", "fake")
+    assert plan.approx_prompt_tokens > 7 * N * 60 and "would send" in plan.describe()
+
+
+def test_rate_limit_is_respected(api):
+    rate = 60.0
+    t0 = time.monotonic()
+    rep = run_timing_audit(api.url, "attacker", victim_key="victim", model="fake", n_samples=4,
+                           prompt_tokens=20, rate_limit=rate, progress=False)
+    elapsed = time.monotonic() - t0
+    starts = sorted(t for t, _, _ in api.posts())
+    assert len(starts) == rep.n_requests == 13
+    assert elapsed >= 0.9 * (len(starts) - 1) / rate
+    # no one-second window (here: the whole run) holds more than rate requests + 1
+    assert all(sum(s <= t < s + 1 for t in starts) <= rate + 1 for s in starts)
+
+
+def test_pacer_counts_with_fake_clock():
+    now = [0.0]
+    slept = []
+    pacer = _Pacer(10.0, clock=lambda: now[0], sleep=lambda s: (slept.append(s), now.__setitem__(0, now[0] + s)))
+    for _ in range(5):
+        pacer.wait()
+    assert now[0] == pytest.approx(0.4) and len(slept) == 4
+    with pytest.raises(ValueError):
+        _Pacer(0)
+
+
+def test_bad_key_aborts_with_clear_error(api):
+    with pytest.raises(TimingAuditError, match="401"):
+        run_timing_audit(api.url, "wrong", model="fake", n_samples=2, prompt_tokens=5, progress=False)
+
+
+def test_report_json_and_plot(api, tmp_path):
+    rep = audit(api, model="fake")
+    d = json.loads(rep.to_json())
+    assert d["detected"] is True and d["result"]["n_hit"] == N and "attacker" not in json.dumps(d)
+    rep.save_plot(tmp_path / "p.png")
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _cli(argv):
+    import argparse
+    parser = argparse.ArgumentParser(prog="minikv")
+    add_audit_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def _timing_argv(api, out, *extra):
+    return ["audit", "timing", "--base-url", api.url, "--api-key", "attacker", "--victim-key", "victim",
+            "--model", "fake", "--samples", str(N), "--prompt-tokens", "40", "--no-progress",
+            "--out", str(out), *extra]
+
+
+def test_cli_exit_codes_and_outputs(api, tmp_path, capsys):
+    assert _cli(_timing_argv(api, tmp_path / "a")) == 0  # detected, but no --fail-on-detect
+    assert "CACHE SHARING DETECTED" in capsys.readouterr().out
+    assert len(list((tmp_path / "a").glob("*.json"))) == 1 and len(list((tmp_path / "a").glob("*.png"))) == 1
+    assert _cli(_timing_argv(api, tmp_path / "b", "--fail-on-detect")) == 2
+    api.mode = "per_tenant"
+    assert _cli(_timing_argv(api, tmp_path / "c", "--fail-on-detect")) == 0
+    assert "no evidence of sharing" in capsys.readouterr().out
+
+
+def test_cli_dry_run_and_errors(api, tmp_path, capsys):
+    assert _cli(_timing_argv(api, tmp_path / "d", "--dry-run")) == 0
+    assert api.log == [] and "would send" in capsys.readouterr().out and not (tmp_path / "d").exists()
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    dead = f"http://127.0.0.1:{closed.getsockname()[1]}/v1"  # bound, never listening
+    try:
+        argv = _timing_argv(api, tmp_path / "e")
+        argv[argv.index(api.url)] = dead
+        assert _cli(argv) == 1
+    finally:
+        closed.close()
+    assert "error:" in capsys.readouterr().err
+    assert _cli(["audit", "timing", "--base-url", api.url, "--api-key", "wrong", "--model", "fake",
+                 "--out", str(tmp_path / "f"), "--no-progress"]) == 1

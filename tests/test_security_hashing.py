@@ -205,6 +205,8 @@ def test_keyed_hashers_differ_across_engine_secrets(keyed):
             != b(None, BLOCK, (), derive_tenant_key(OTHER_SECRET, "t")))
     with pytest.raises(ValueError, match="tenant_key"):
         a(None, BLOCK, (), b"short")
+    # tenant-keyed and shared blocks live in disjoint message domains, even under one key
+    assert a(None, BLOCK, (), derive_shared_key(SECRET)) != a(None, BLOCK, (), None)
 
 
 def test_sha256_is_the_documented_unkeyed_formula():
@@ -266,3 +268,11 @@ def test_no_module_level_torch_import(module):
     names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
     names += [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
     assert not any(x.split(".")[0] in ("torch", "numpy") for x in names)
+
+
+def test_importing_minikv_security_loads_neither_torch_nor_numpy():
+    code = ("import sys, minikv.security, minikv.security.collisions, minikv.security.scrub; "
+            "print('torch' in sys.modules, 'numpy' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                         timeout=120)
+    assert out.stdout.split()[-2:] == ["False", "False"]

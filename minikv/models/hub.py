@@ -321,7 +321,8 @@ def build_tiny_tokenizer():
                                 for t in SPECIAL_TOKENS])
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<|endoftext|>",
                                   bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                  pad_token="<|im_end|>")
+                                  pad_token="<|im_end|>", model_max_length=2048,
+                                  clean_up_tokenization_spaces=False)
     tok.chat_template = CHATML_TEMPLATE
     return tok
 

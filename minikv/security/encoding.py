@@ -110,8 +110,6 @@ def _encode_one(value) -> bytes:
     if kind is str:
         data = value.encode("utf-8", "surrogatepass")
         return _HEADER.pack(TAG_STR, len(data)) + data
-    if isinstance(value, bool):  # pragma: no cover - bool cannot be subclassed
-        return _BOOL_FIELDS[bool(value)]
     if isinstance(value, int):
         return _encode_int(int(value))
     if isinstance(value, str):

@@ -1,0 +1,52 @@
+# minikv: every target sets up what it needs (.venv, packages, model) on its own.
+#   make course   open the course in JupyterLab on 127.0.0.1
+#   make test     the whole test suite: pytest over tests/, nbval over course/*.ipynb
+#   make grade    grade your exercise solutions
+#   make bench    run the benchmarks
+# Knobs: PYTHON (base interpreter), PORT, PYTEST_ARGS, MINIKV_HOME (model cache),
+#        MINIKV_TORCH=system (reuse the base python's torch), see scripts/bootstrap.py.
+
+PYTHON ?= python3
+PORT ?= 8888
+PYTEST_ARGS ?=
+PY := .venv/bin/python
+MODEL := smollm2-135m-instruct
+NOTEBOOKS := $(wildcard course/*.ipynb)
+PYTEST := $(PY) -m pytest -p no:cacheprovider
+
+.PHONY: setup model chromium course test test-py test-nb grade bench clean
+
+setup:
+	@$(PYTHON) scripts/bootstrap.py
+
+model: setup
+	@$(PY) -m minikv.models.hub fetch $(MODEL) >/dev/null
+
+chromium:
+	@bash scripts/ensure_chromium.sh
+
+course: model
+	$(PY) -m jupyter lab --ip=127.0.0.1 --port=$(PORT) --ServerApp.root_dir=course
+
+test: model chromium test-py test-nb
+
+test-py: model chromium
+	$(PYTEST) tests $(PYTEST_ARGS)
+
+test-nb: model
+ifeq ($(strip $(NOTEBOOKS)),)
+	@echo "no notebooks in course/ yet: skipping nbval"
+else
+	$(PYTEST) --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
+		$(NOTEBOOKS) $(PYTEST_ARGS)
+endif
+
+grade: model
+	$(PY) -m exercises.grade
+
+bench: model
+	$(PY) -m minikv.bench
+
+clean:
+	rm -rf .venv build dist *.egg-info out .pytest_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

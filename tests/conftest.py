@@ -1,0 +1,32 @@
+"""Shared fixtures: the two models every part of minikv is tested against.
+
+Both resolve through the *default* ``MINIKV_HOME`` so that the SmolLM2 checkpoint
+fetched by ``make test`` (or by an earlier run) is reused, not rebuilt per test.
+Tests that need a private cache set ``MINIKV_HOME`` themselves with ``monkeypatch``.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from minikv.models.hub import resolve_model
+
+
+@pytest.fixture(scope="session")
+def tiny_path():
+    """2-layer random Llama (GQA 4:2, byte-level ChatML tokenizer); built in ~1 s."""
+    return resolve_model("tiny-random", progress=False)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    """The course model. Outside CI a machine that cannot fetch it skips these tests;
+    in CI ``make test`` fetched it before pytest started, so failing here is a bug."""
+    try:
+        return resolve_model("smollm2-135m-instruct", progress=False)
+    except Exception as err:  # noqa: BLE001 -- any failure means "not available here"
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"SmolLM2 is not available ({err}); fetch it with "
+                    "`python -m minikv.models.hub fetch smollm2-135m-instruct`")

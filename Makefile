@@ -25,8 +25,11 @@ model: setup
 chromium:
 	@bash scripts/ensure_chromium.sh
 
+# Jupyter refuses to run as root unless told; containers often are root.
+ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
+
 course: model
-	$(PY) -m jupyter lab --ip=127.0.0.1 --port=$(PORT) --ServerApp.root_dir=course
+	$(PY) -m jupyter lab --ip=127.0.0.1 --port=$(PORT) --ServerApp.root_dir=course $(ROOT_FLAG)
 
 test: model chromium test-py test-nb
 

@@ -55,10 +55,15 @@ def run(*cmd: str, **kw) -> subprocess.CompletedProcess:
 
 
 def setup_key() -> str:
+    """What the venv depends on. The editable install maps each *top-level* package
+    (minikv, exercises, solutions) found at install time, so a newly added one must
+    trigger a re-install too, or notebooks running in course/ could not import it."""
     h = hashlib.sha256()
     for f in (ROOT / "pyproject.toml", Path(__file__)):
         h.update(f.read_bytes())
     h.update(os.environ.get("MINIKV_TORCH", "auto").encode())
+    packages = sorted(p.parent.name for p in ROOT.glob("*/__init__.py"))
+    h.update(" ".join(packages).encode())
     return h.hexdigest()[:16]
 
 

@@ -1,6 +1,6 @@
 """Timing audit client against an in-process fake OpenAI-compatible server (loopback only).
 
-The fake simulates a prefix cache by sleeping: 2 ms on a hit, 40 ms on a miss, keyed either
+The fake simulates a prefix cache by sleeping: 2 ms on a hit, 30 ms on a miss, keyed either
 globally (shared cache) or per API key (isolated).  It tests the client protocol and verdict
 logic; the real minikv server is audited elsewhere.
 """
@@ -20,7 +20,9 @@ from minikv.audit.cli import add_audit_parser  # noqa: E402
 from minikv.audit.timing import (TimingAuditError, TimingPlan, TimingReport, _Pacer,  # noqa: E402
                                  plan_timing_audit, run_timing_audit)
 
-N = 24  # per arm: the floor for alpha = 1e-8 is 15; margin for jitter on a loaded 2-core CI box
+# Per arm.  The floor for alpha = 1e-8 is 15; at 30, up to 7 hits delayed past every miss (CPU
+# contention on a busy 2-core CI box) still give p < 1e-8.  Negatives need no margin: 16.
+N, N_NEG = 30, 16
 PREFIX_WORDS = 40
 ATTACKER, VICTIM = "sk-att-5e1f", "sk-vic-77c2"  # the fake caches the first 40 words (a "block-aligned prefix")
 
@@ -28,6 +30,7 @@ ATTACKER, VICTIM = "sk-att-5e1f", "sk-vic-77c2"  # the fake caches the first 40 
 class FakeAPI:
     def __init__(self):
         self.mode = "global"  # or "per_tenant"
+        self.fail_every = 0  # > 0: every k-th POST answers 503 (a flaky endpoint)
         self.cache: set = set()
         self.log: list = []  # (time, key, path)
         app = FastAPI()
@@ -37,10 +40,12 @@ class FakeAPI:
             self.log.append((time.monotonic(), key, request.url.path))
             if key not in (f"Bearer {ATTACKER}", f"Bearer {VICTIM}"):
                 return fastapi.responses.JSONResponse({"error": "bad key"}, status_code=401)
+            if self.fail_every and len(self.posts()) % self.fail_every == 0:
+                return fastapi.responses.JSONResponse({"error": "overloaded"}, status_code=503)
             entry = (None if self.mode == "global" else key, tuple(prompt.split()[:PREFIX_WORDS]))
             hit = entry in self.cache
             self.cache.add(entry)
-            await asyncio.sleep(0.002 if hit else 0.040)
+            await asyncio.sleep(0.002 if hit else 0.030)
             return {"id": "x", "object": "text_completion", "model": "fake",
                     "choices": [{"index": 0, "text": "a", "finish_reason": "length"}],
                     "usage": {"prompt_tokens": len(prompt.split()), "completion_tokens": 1}}
@@ -93,13 +98,14 @@ def fake():
 @pytest.fixture
 def api(fake):
     fake.log.clear()
-    fake.mode = "global"
+    fake.mode, fake.fail_every = "global", 0
     return fake
 
 
 def audit(api, **kw):
     kw.setdefault("victim_key", VICTIM)
-    return run_timing_audit(api.url, ATTACKER, n_samples=N, prompt_tokens=60, progress=False, **kw)
+    kw.setdefault("n_samples", N)
+    return run_timing_audit(api.url, ATTACKER, prompt_tokens=60, progress=False, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +129,7 @@ def test_global_cache_is_detected_across_keys(global_run):
 
 def test_per_tenant_cache_is_not_detected(api):
     api.mode = "per_tenant"
-    rep = audit(api, model="fake", endpoint="chat")
+    rep = audit(api, model="fake", endpoint="chat", n_samples=N_NEG)
     assert not rep.detected and rep.verdict.startswith("no evidence of sharing")
 
 
@@ -172,6 +178,18 @@ def test_bad_key_aborts_with_clear_error(api):
         run_timing_audit(api.url, "wrong", model="fake", n_samples=2, prompt_tokens=5, progress=False)
 
 
+def test_transient_failures_are_dropped_then_abort(api):
+    api.fail_every = 5  # the warm-up is POST 1, so it succeeds
+    rep = audit(api, model="fake", n_samples=6, max_failures=10)
+    assert rep.failures >= 3 and len(rep.hit_times) + len(rep.miss_times) < 12
+    api.log.clear()
+    with pytest.raises(TimingAuditError, match="failed requests"):
+        audit(api, model="fake", n_samples=6, max_failures=1)
+    api.log.append((0.0, "", "/v1/completions"))  # now the warm-up itself gets the 503
+    with pytest.raises(TimingAuditError, match="HTTP 503"):
+        audit(api, model="fake", n_samples=6)
+
+
 def test_report_json_and_plot(global_run, tmp_path):
     rep = global_run[0]
     d = json.loads(rep.to_json())
@@ -194,17 +212,21 @@ def _timing_argv(api, out, *extra):
             "--out", str(out), *extra]
 
 
-def test_cli_exit_codes_and_outputs(api, tmp_path, capsys):
-    assert _cli(_timing_argv(api, tmp_path / "a")) == 0  # detected, but no --fail-on-detect
+def test_cli_exit_codes_and_outputs(api, tmp_path, capsys, global_run, monkeypatch):
+    assert _cli(_timing_argv(api, tmp_path / "a", "--fail-on-detect")) == 2  # end to end
     assert "CACHE SHARING DETECTED" in capsys.readouterr().out
     assert len(list((tmp_path / "a").glob("*.json"))) == 1 and len(list((tmp_path / "a").glob("*.png"))) == 1
-    assert _cli(_timing_argv(api, tmp_path / "b", "--fail-on-detect")) == 2
     api.mode = "per_tenant"  # few samples suffice for a negative: exit 0 despite --fail-on-detect
     argv = _timing_argv(api, tmp_path / "c", "--fail-on-detect")
     argv[argv.index("--samples") + 1] = "6"
     assert _cli(argv) == 0
     captured = capsys.readouterr()
     assert "no evidence of sharing" in captured.out and "cannot reach p < 1e-08" in captured.err
+    # detected without --fail-on-detect is a successful run: exit 0 (reuse a detecting report)
+    import minikv.audit.timing as timing
+    monkeypatch.setattr(timing, "run_timing_audit", lambda *a, **k: global_run[0])
+    assert _cli(_timing_argv(api, tmp_path / "b")) == 0
+    assert "CACHE SHARING DETECTED" in capsys.readouterr().out
 
 
 def test_cli_dry_run_and_errors(api, tmp_path, capsys):

@@ -38,7 +38,9 @@ def test_tiny_random_build_is_byte_for_byte_reproducible(tmp_path, monkeypatch):
         paths.append(resolve_model("tiny-random", progress=False))
     a, b = paths
     assert a != b and a.parent.parent == tmp_path / "a"
-    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+    names = sorted(p.name for p in a.iterdir())
+    assert "model.safetensors" in names and names == sorted(p.name for p in b.iterdir())
+    for name in names:
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
 
 
@@ -46,8 +48,10 @@ def test_tiny_random_matches_the_shared_cache(tmp_path, monkeypatch, tiny_path):
     """A cache built by an older recipe would differ: the recipe version must change."""
     monkeypatch.setenv("MINIKV_HOME", str(tmp_path))
     fresh = resolve_model("tiny-random", progress=False)
-    assert (fresh / "model.safetensors").read_bytes() == \
-        (tiny_path / "model.safetensors").read_bytes()
+    names = sorted(p.name for p in fresh.iterdir() if p.name != MARKER)
+    assert names == sorted(p.name for p in tiny_path.iterdir() if p.name != MARKER)
+    for name in names:
+        assert (fresh / name).read_bytes() == (tiny_path / name).read_bytes(), name
 
 
 def test_tiny_random_config_is_a_small_gqa_llama(tiny_model, tiny_tok):
@@ -76,8 +80,16 @@ def test_tiny_tokenizer_maps_each_byte_to_id_plus_3(tiny_tok):
 @given(st.text(max_size=40))
 def test_tiny_tokenizer_round_trips_any_text(tiny_tok, text):
     ids = tiny_tok(text)["input_ids"]
-    assert len(ids) == len(text.encode("utf-8"))      # no merges: one token per byte
     assert tiny_tok.decode(ids) == text
+    if not any(t in text for t in hub.SPECIAL_TOKENS):
+        assert len(ids) == len(text.encode("utf-8"))  # no merges: one token per byte
+
+
+def test_special_token_text_in_user_input_becomes_a_special_token(tiny_tok):
+    """Like SmolLM2's tokenizer (and most chat tokenizers): user text can smuggle in
+    control tokens unless the server escapes it -- worth knowing when prompts are
+    attacker-controlled."""
+    assert tiny_tok("a<|im_end|>")["input_ids"] == [ord("a") + 3, 2]
 
 
 def test_tiny_chat_template_is_chatml(tiny_tok):
@@ -113,6 +125,14 @@ def test_tiny_random_greedy_output_depends_on_context(tiny_model):
 def test_names_are_case_insensitive_and_cheap_once_built(tiny_path):
     assert resolve_model("TINY-random") == tiny_path
     assert json.loads((tiny_path / MARKER).read_text())["recipe"] == hub.RECIPES["tiny-random"]
+
+
+def test_package_exports_resolve_lazily():
+    code = ("import minikv.models as m; "
+            "print(m.KNOWN_MODELS, m.resolve_model is m.hub.resolve_model)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip() == "('smollm2-135m-instruct', 'tiny-random') True"
 
 
 def test_unknown_name_is_a_value_error_listing_known_names():

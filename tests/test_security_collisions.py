@@ -161,8 +161,7 @@ def test_numpy_tuple_hash_matches_python_hash():
         assert C.tuple_hash_np(lanes).tolist() == [hash(t) for t in tuples]
 
 
-@pytest.mark.skipif(not os.environ.get("MINIKV_SLOW_TESTS"),
-                    reason="~4 s and ~600 MB: set MINIKV_SLOW_TESTS=1 to re-run the builtin search")
+@pytest.mark.slow  # ~4 s and ~600 MB of numpy arrays: it re-runs the builtin search
 def test_committed_pairs_are_reproducible(tmp_path):
     pairs = C.write_committed_pairs(tmp_path / "pairs.json", seed=0)
     assert pairs == PAIRS

@@ -46,7 +46,8 @@ from ..engine.model import apply_rotary, rms_norm
 __all__ = [
     "Layer0Table", "layer0_kv_table", "invert_layer0", "render_tokens",
     "read_slots", "StaleRead", "StaleReadRecorder", "unmasked_decode_attention",
-    "buggy_context_mask", "BuggyAbortBlockManager", "abort_recycles_held_blocks",
+    "buggy_context_mask", "SprayResult", "spray_stale_reads",
+    "BuggyAbortBlockManager", "abort_recycles_held_blocks",
 ]
 
 NO_TOKEN = -1
@@ -321,6 +322,62 @@ def unmasked_decode_attention(engine=None):
         _attention.context_mask = original
         if engine is not None:
             del engine.pool.gather  # back to the class method
+
+
+@dataclass
+class SprayResult:
+    """What ``n`` concurrent attacker requests got: their tokens, the logits of the decode step
+    (the step whose attention read stale slots under the bug) and the recorded stale reads."""
+
+    request_ids: list[str]
+    token_ids: list[list[int]]
+    decode_logits: torch.Tensor  # [n, vocab]
+    reads: list[StaleRead]
+
+    @property
+    def k(self) -> torch.Tensor:
+        """Layer-0 K bytes of every stale slot read, [slots, kv_heads, head_dim]."""
+        return torch.cat([r.k for r in self.reads]) if self.reads else torch.zeros(0)
+
+    @property
+    def v(self) -> torch.Tensor:
+        return torch.cat([r.v for r in self.reads]) if self.reads else torch.zeros(0)
+
+    @property
+    def slots(self) -> list[tuple[int, int]]:
+        return [s for r in self.reads for s in r.slots]
+
+
+def spray_stale_reads(engine, prompt_ids: list[int], n_requests: int, *, tenant: str | None = None,
+                      buggy: bool = True) -> SprayResult:
+    """The attacker's move: ``n_requests`` concurrent greedy requests of ``prompt_ids``, two
+    output tokens each (``ignore_eos``), run to completion.
+
+    With a prompt of exactly ``k * block_size`` tokens, each request's first decode token needs
+    a fresh block: it writes slot 0 and, under :func:`unmasked_decode_attention` (``buggy``),
+    attends over slots 1..block_size-1 -- whatever the block's previous owner left there.
+    """
+    from ..engine.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    ids = [engine.new_request_id() for _ in range(n_requests)]
+    saved, engine.logit_trace = engine.logit_trace, []
+    ctx = unmasked_decode_attention(engine) if buggy else contextlib.nullcontext()
+    done: dict[str, list[int]] = {}
+    try:
+        with ctx as recorder:
+            for rid in ids:
+                engine.add_request(rid, list(prompt_ids), params, tenant=tenant)
+            while len(done) < n_requests:
+                for out in engine.step():
+                    if out.finished and out.request_id in ids:
+                        done[out.request_id] = list(out.outputs[0].token_ids)
+        per_req = {rid: [step[rid] for step in engine.logit_trace if rid in step] for rid in ids}
+    finally:
+        engine.logit_trace = saved
+    logits = torch.stack([per_req[rid][-1] for rid in ids])
+    reads = sorted(recorder.reads, key=lambda r: ids.index(r.request_id)) if recorder else []
+    return SprayResult(ids, [done[rid] for rid in ids], logits, reads)
 
 
 # ============================================================= bug 2: abort recycles held blocks

@@ -213,13 +213,18 @@ class _Client:
     def discover_model(self, key: str) -> str:
         self.pacer.wait()
         self.sent += 1
-        r = self.http.get(f"{self.base}/models", headers={"Authorization": f"Bearer {key}"})
-        if r.status_code != 200 or not r.json().get("data"):
-            raise TimingAuditError(f"GET {self.base}/models failed ({r.status_code}); pass --model")
-        return r.json()["data"][0]["id"]
+        try:
+            r = self.http.get(f"{self.base}/models", headers={"Authorization": f"Bearer {key}"})
+            return r.raise_for_status().json()["data"][0]["id"]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+            raise TimingAuditError(f"cannot list models at {self.base}/models ({exc}); pass --model") from None
 
-    def timed(self, key: str, prompt: str) -> float | None:
-        """Latency of one request, or None for a transient failure (5xx, 429, network)."""
+    def timed(self, key: str, prompt: str, strict: bool = False) -> float | None:
+        """Latency of one request, or None for a transient failure (5xx, 429, network).
+
+        ``strict`` (the warm-up) turns every failure into TimingAuditError: an endpoint that
+        cannot answer the very first request is misconfigured, not flaky.
+        """
         if self.endpoint == "chat":
             url, body = f"{self.base}/chat/completions", {"messages": [{"role": "user", "content": prompt}]}
         else:
@@ -232,8 +237,10 @@ class _Client:
             r = self.http.post(url, json=body, headers={"Authorization": f"Bearer {key}"})
             dt = time.perf_counter() - t0
         except httpx.TransportError as exc:
+            if strict:
+                raise TimingAuditError(f"cannot reach {url}: {type(exc).__name__}: {exc}") from None
             return self._fail(f"{type(exc).__name__}: {exc}")
-        if 400 <= r.status_code < 500 and r.status_code != 429:  # will never succeed: stop now
+        if (strict and r.status_code != 200) or (400 <= r.status_code < 500 and r.status_code != 429):
             raise TimingAuditError(f"POST {url} -> HTTP {r.status_code}: {r.text[:300]}")
         if r.status_code != 200:
             return self._fail(f"HTTP {r.status_code}")
@@ -286,7 +293,7 @@ def run_timing_audit(base_url: str, api_key: str, victim_key: str | None = None,
         if client.model is None:
             client.model = client.discover_model(api_key)
         # Warm-up: opens the keep-alive connection so no trial pays the TCP/TLS handshake.
-        client.timed(api_key, " ".join(_random_words(words_rng, 8)))
+        client.timed(api_key, " ".join(_random_words(words_rng, 8)), strict=True)
         trials = order
         if progress:
             from tqdm import tqdm

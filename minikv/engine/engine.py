@@ -167,7 +167,8 @@ class LLMEngine:
             t0 = time.perf_counter()
             getattr(self.scrubber, hook)(self.pool, ids)
             self.stats["scrub_s"] += time.perf_counter() - t0
-            if self.audit and not isinstance(self.scrubber, NoScrub):
+            # Log only hooks that really zero memory (a scrubber lists them in ``hooks``).
+            if self.audit and hook in getattr(self.scrubber, "hooks", ("on_free", "on_alloc")):
                 for bid in ids:
                     self.audit.record("scrub", request_id=seq.request_id if seq else None,
                                       tenant=seq.tenant if seq else None, block_id=bid, fp=None, hook=hook)

@@ -54,7 +54,7 @@ SMOLLM2_SHAPE = dict(num_hidden_layers=30, hidden_size=576, num_attention_heads=
 
 # Bump a recipe string whenever the bytes a recipe produces would change: the marker
 # stores it, and a mismatch makes resolve_model rebuild instead of reusing stale files.
-RECIPES = {"smollm2-135m-instruct": "smollm2-fp32-v1", "tiny-random": "tiny-random-v1"}
+RECIPES = {"smollm2-135m-instruct": "smollm2-fp32-v1", "tiny-random": "tiny-random-v2"}
 ALIASES = {"smollm2-135m-instruct": "smollm2-135m-instruct",
            "huggingfacetb/smollm2-135m-instruct": "smollm2-135m-instruct",
            "smollm2": "smollm2-135m-instruct", "tiny-random": "tiny-random"}
@@ -70,7 +70,8 @@ CHATML_TEMPLATE = (
 
 def minikv_home() -> Path:
     """Root of minikv's cache; read on every call so tests can point it elsewhere."""
-    return Path(os.environ.get("MINIKV_HOME") or Path.home() / ".cache" / "minikv")
+    home = os.environ.get("MINIKV_HOME") or Path.home() / ".cache" / "minikv"
+    return Path(home).expanduser().absolute()
 
 
 def resolve_model(name_or_path: str, progress: bool = True) -> Path:

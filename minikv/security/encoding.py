@@ -8,9 +8,12 @@ in minikv, the tenant's key.  A hash function only ever sees *one* byte string, 
 fields must first be glued together.  Gluing them naively is a classic bug: if the encoding
 of ``("lora", "salt")`` equals the encoding of ``("lorasalt",)``, or ``(b"a", b"bc")``
 equals ``(b"ab", b"c")``, then two *different* keys hash to the same value no matter how
-strong the hash is.  Real engines have shipped exactly this class of bug: vLLM issue
-#44701 and SGLang issue #30827 both concern extra keys (LoRA names, salts) whose
-concatenation was ambiguous, so a request could land on another request's cache entry.
+strong the hash is.  Real engines have shipped exactly this class of bug.  In vLLM issue
+#44701, a LoRA adapter's name and a request's ``cache_salt`` went into the same extra-key
+tuple as bare, untagged strings, so a LoRA request named ``X`` and a base-model request
+salted ``X`` got the same block hash (and shared K/V computed under different weights).
+SGLang PR #30827 keeps ``cache_salt`` apart from the caller-defined ``extra_key`` because
+concatenating the two can collide.
 
 The fix is the one every serious serialisation format uses: every field carries a
 **type tag** and a **length**, so a decoder always knows where a field ends and what it

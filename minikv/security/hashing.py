@@ -139,7 +139,8 @@ def _extra_as_int(value) -> int:
 class BuiltinHasher:
     """UNSAFE: Python's ``hash()`` of ``(parent_int, tenant_int, *extra_ints, *tokens)``, 8 bytes.
 
-    This is what vLLM used before v0.10.2.  ``hash()`` of a tuple of ints is a 64-bit
+    This is what vLLM used before v0.10.2 (CVE-2025-25183: predictable ``hash()``
+    collisions in prefix caching).  ``hash()`` of a tuple of ints is a 64-bit
     xxHash-style mix that is *not* seeded by ``PYTHONHASHSEED`` (only str/bytes hashes
     are), and it is invertible step by step, so anyone can compute it and crafted
     collisions take seconds (:func:`minikv.security.collisions.search_builtin_collision`).
@@ -182,8 +183,8 @@ class PolyHasher:
     ``s = [parent_int, tenant_int, *extra_ints, *tokens]``.  Rolling/polynomial hashes are
     tempting because they are cheap and incremental, but they are *linear*: adding 31 to
     token j and subtracting 1 from token j+1 changes h by ``31*31**i - 31**(i+1) = 0``, so
-    collisions need no search at all.  A hash of this family was proposed for a
-    prefix-cache key in Megatron-LM PR #4158.
+    collisions need no search at all.  Megatron-LM's prefix cache used a polynomial hash
+    until PR #4158 replaced it with SHA-256 because of exactly this zero-delta move.
     """
 
     name, digest_size, keyed, unsafe = "poly", 8, False, True

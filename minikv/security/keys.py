@@ -12,9 +12,10 @@ own blocks.
 Why the key lives on the server
 -------------------------------
 vLLM's answer to this problem is a per-request ``cache_salt`` chosen by the *client*.  A
-salt the client sends is only as secret as the client keeps it; anyone who learns or
-guesses it (it travels in request bodies, logs, shared SDK configs) can send the same salt
-and share the cache again -- vLLM issue #53347 discusses exactly this.  minikv instead
+salt is an ordinary request-body field: whoever writes the request chooses it, so an
+adversary who learns a victim's salt (request logs, a shared SDK config, a predictable
+scheme) simply sends the same value and shares the victim's blocks again -- no guessing
+needed (vLLM PR #53347 proposes documenting exactly this trust boundary).  minikv instead
 derives the key on the server from (engine secret, authenticated tenant id): clients never
 see it, cannot choose it and cannot copy another tenant's.
 

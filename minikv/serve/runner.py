@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
 from .metrics import ServerMetrics
 
@@ -132,28 +132,24 @@ class EngineRunner:
         self._push(("call", fn, fut))
         return fut
 
-    async def stream(self, request_id: str, prompt, params, tenant: str | None = None
-                     ) -> AsyncIterator:
-        """Async iterator over the request's ``RequestOutput`` s (cumulative), the last one
-        finished.  Leaving the iteration early (client gone, task cancelled) aborts the request."""
+    async def open(self, request_id: str, prompt, params, tenant: str | None = None) -> "RequestStream":
+        """Submit a request and wait until the engine accepted it.
+
+        Raises :class:`RequestRejected` (bad input) or :class:`EngineUnavailable`.  The returned
+        :class:`RequestStream` yields the request's ``RequestOutput`` s; closing it before the
+        last one (``await stream.aclose()``) aborts the request.
+        """
         queue = self.submit(request_id, prompt, params, tenant)
-        done = False
         try:
-            while True:
-                kind, item = await queue.get()
-                if kind == "error":
-                    done = True
-                    raise item
-                if kind == "aborted":
-                    done = True
-                    raise EngineUnavailable("the request was aborted")
-                yield item
-                if item.finished:
-                    done = True
-                    return
-        finally:
-            if not done:
-                self.abort(request_id)
+            kind, item = await queue.get()
+        except BaseException:  # cancelled while waiting (client gone): do not leak the request
+            self.abort(request_id)
+            raise
+        if kind == "error":
+            raise item
+        if kind == "aborted":
+            raise EngineUnavailable("the request was aborted")
+        return RequestStream(self, request_id, queue)
 
     # ------------------------------------------------------------------ engine thread
     def _loop(self) -> None:
@@ -190,6 +186,7 @@ class EngineRunner:
                 sink.put("error", EngineUnavailable(f"engine error: {type(exc).__name__}"))
                 return
             self._sinks[rid] = sink
+            sink.put("accepted", None)
         elif kind == "abort":
             self._abort(cmd[1])
         elif kind == "call":
@@ -280,3 +277,38 @@ class EngineRunner:
                 cmd[-1].put("error", EngineUnavailable("the server is shutting down"))
             elif cmd[0] == "call":
                 cmd[2].cancel()
+
+
+class RequestStream:
+    """Async iterator over one request's outputs (cumulative ``RequestOutput`` s; the last one
+    has ``finished=True``).  ``aclose()`` -- also called when iteration is cancelled -- aborts
+    the request unless it already finished."""
+
+    def __init__(self, runner: EngineRunner, request_id: str, queue: asyncio.Queue):
+        self.runner, self.request_id, self._queue = runner, request_id, queue
+        self.done = False
+
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self):
+        if self.done:
+            raise StopAsyncIteration
+        try:
+            kind, item = await self._queue.get()
+        except BaseException:
+            await self.aclose()
+            raise
+        if kind == "output":
+            if item.finished:
+                self.done = True
+            return item
+        self.done = True
+        if kind == "error":
+            raise item
+        raise EngineUnavailable("the request was aborted")
+
+    async def aclose(self) -> None:
+        if not self.done:
+            self.done = True
+            self.runner.abort(self.request_id)

@@ -1,0 +1,7 @@
+"""``python -m minikv ...`` is the ``minikv`` command."""
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

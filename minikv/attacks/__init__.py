@@ -1,0 +1,10 @@
+"""Attack code the lessons run against minikv (import the submodule you need).
+
+* :mod:`minikv.attacks.prefix_oracle` -- leak 1: the shared prefix cache as an oracle, through the
+  cached-token count and through time to first token (lesson 04; re-run by 07, 08 and 09);
+* :mod:`minikv.attacks.stale_kv` -- leak 2: reading a previous request's K/V (lesson 05);
+* :mod:`minikv.attacks.poisoning` -- leak 3: weak cache keys and crafted collisions (lesson 06).
+
+Nothing is imported here, so that ``import minikv.attacks.prefix_oracle`` does not pull in the
+others' dependencies.
+"""

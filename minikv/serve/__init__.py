@@ -1,0 +1,31 @@
+"""``minikv serve``: an OpenAI-compatible HTTP server around one engine.
+
+* ``app``     -- FastAPI app: endpoints, API-key -> tenant resolution, errors (``create_app``),
+                 and ``BackgroundServer`` (uvicorn in a thread on 127.0.0.1, for tests/notebooks)
+* ``runner``  -- the engine loop thread and the asyncio bridge (``EngineRunner``)
+* ``metrics`` -- Prometheus metrics in a per-app registry (``ServerMetrics``)
+* ``cli``     -- ``minikv serve`` flags, shared engine/policy flags (``add_serve_parser``)
+
+Names are resolved lazily so that ``minikv.serve.cli`` (argparse only) imports without FastAPI
+or torch.
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "create_app": "app", "BackgroundServer": "app", "ApiKeys": "app", "load_api_keys": "app",
+    "APIError": "app", "EngineRunner": "runner", "RequestRejected": "runner",
+    "EngineUnavailable": "runner", "ServerMetrics": "metrics", "add_serve_parser": "cli",
+    "add_engine_arguments": "cli", "engine_kwargs_from_args": "cli",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value

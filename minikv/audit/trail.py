@@ -89,5 +89,6 @@ class AuditTrail:
 
 
 def read_trail(path: str | Path) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """Load a trail (one dict per event); see ``minikv.audit.detector.load_trail``."""
+    from .detector import load_trail
+    return load_trail(path)

@@ -1,0 +1,214 @@
+"""Benchmarks: minikv against transformers, side by side, in one process.
+
+    python -m minikv.bench [--device cpu|cuda] [--model smollm2-135m-instruct] [--only throughput,ttft,isolation]
+
+Machines are shared and noisy, so every figure is a *ratio* of two measurements taken in the
+same run, on the same prompts, with the same thread count, after a warm-up:
+
+* throughput: generated tokens/s on 16 requests of seeded random lengths 32-512 tokens,
+  ``max_tokens=64`` with ``ignore_eos``, against one padded transformers batch (sdpa);
+* TTFT on a shared 1,000-token system prompt, with a prefix-cache hit vs a miss;
+* isolation costs: keyed hashing time as a fraction of prefill time, scrubbing time as a
+  fraction of end-to-end time, and the hit-rate loss when N tenants share a system prompt,
+  with and without ``shared_prefixes``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+import warnings
+
+import torch
+
+from .engine import LLM, SamplingParams, UnsafeSettingWarning
+from .models.hub import resolve_model
+
+TARGETS = {"throughput_ratio": ">= 1.0", "ttft_hit_over_miss": "<= 0.15",
+           "hash_over_prefill": "<= 0.01", "scrub_over_e2e": "<= 0.02"}
+
+
+def _random_prompts(vocab: int, n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, vocab - 1000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def bench_throughput(llm: LLM, model_path, n=16, max_tokens=64, seed=0) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    eng = llm.engine
+    prompts = _random_prompts(eng.model.shape.vocab_size, n, 32, 512, seed)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    hf = AutoModelForCausalLM.from_pretrained(model_path, dtype=eng.dtype, attn_implementation="sdpa").to(eng.device).eval()
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=eng.device)  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=eng.device)
+
+    def run_hf():
+        with torch.no_grad():
+            out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens,
+                              min_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
+        return (out.shape[1] - width) * n
+
+    def run_minikv():
+        outs = llm.generate(prompts, params)
+        return sum(len(o.outputs[0].token_ids) for o in outs)
+
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))  # warm-up
+    with torch.no_grad():
+        hf.generate(input_ids=ids[:2, -64:], attention_mask=mask[:2, -64:], max_new_tokens=4, do_sample=False, pad_token_id=0)
+    res = {}
+    for name, fn in (("minikv", run_minikv), ("transformers", run_hf)):
+        _sync(eng.device)
+        t0 = time.perf_counter()
+        tokens = fn()
+        _sync(eng.device)
+        res[name] = tokens / (time.perf_counter() - t0)
+    del hf
+    return {"throughput_ratio": res["minikv"] / res["transformers"],
+            "tokens_per_request": max_tokens, "requests": n, "threads": torch.get_num_threads(),
+            "prompt_tokens": sum(map(len, prompts)), "padded_prompt_tokens": width * n}
+
+
+def bench_ttft(model: str, device, dtype, repeats=3, seed=0) -> dict:
+    llm = LLM(model, device=device, dtype=dtype, enable_prefix_caching=True)
+    vocab = llm.engine.model.shape.vocab_size
+    system = _random_prompts(vocab, 1, 1000, 1000, seed)[0]
+    questions = _random_prompts(vocab, 2 * repeats + 1, 20, 20, seed + 1)
+    p1 = SamplingParams(max_tokens=1, temperature=0.0)
+    llm.generate([system + questions[-1]], p1)  # warm-up and prime the cache
+    hits, misses = [], []
+    for i in range(repeats):
+        hit = llm.generate([system + questions[i]], p1, tenant=None)[0]
+        assert hit.num_cached_tokens >= 992, hit.num_cached_tokens
+        hits.append(hit.metrics.ttft_s)
+        fresh = [t ^ 1 for t in system]  # same length, never cached
+        miss = llm.generate([fresh + questions[repeats + i]], p1, tenant=f"miss-{i}")[0]
+        assert miss.num_cached_tokens == 0
+        misses.append(miss.metrics.ttft_s)
+    return {"ttft_hit_over_miss": statistics.median(hits) / statistics.median(misses), "repeats": repeats,
+            "system_prompt_tokens": len(system)}
+
+
+def bench_isolation(llm: LLM, model: str, device, dtype, tenants=(1, 4, 16, 64), seed=0) -> dict:
+    from .security.hashing import make_hasher
+
+    eng = llm.engine
+    vocab = eng.model.shape.vocab_size
+    prompt = _random_prompts(vocab, 1, 1008, 1008, seed)[0]
+    bs = eng.block_size
+    blocks = [tuple(prompt[i:i + bs]) for i in range(0, len(prompt), bs)]
+    out = {}
+    # Prefill time of this prompt (no cache) vs the time to hash all its blocks, per algorithm.
+    p1 = SamplingParams(max_tokens=1, temperature=0.0)
+    llm.generate([prompt[:64]], p1)
+    prefill = statistics.median(llm.generate([prompt], p1)[0].metrics.ttft_s for _ in range(3))
+    key = b"t" * 32
+    for algo in ("sha256", "hmac-sha256", "blake2b-keyed"):
+        h = make_hasher(algo, b"s" * 32)
+        t0 = time.perf_counter()
+        for _ in range(20):
+            parent = None
+            for blk in blocks:
+                parent = h(parent, blk, (), key)
+        out[f"hash_over_prefill[{algo}]"] = (time.perf_counter() - t0) / 20 / prefill
+    out["hash_over_prefill"] = max(v for k, v in out.items() if k.startswith("hash_over_prefill["))
+    # Scrub time vs end-to-end time on the throughput workload (scrub calls timed by the engine).
+    prompts = _random_prompts(vocab, 16, 32, 512, seed)
+    for policy in ("on_alloc", "on_free"):
+        sllm = LLM(model, device=device, dtype=dtype, scrub=policy)
+        sllm.generate(prompts[:2], SamplingParams(max_tokens=2, temperature=0.0))
+        sllm.engine.stats["scrub_s"] = 0.0
+        t0 = time.perf_counter()
+        sllm.generate(prompts, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
+        sllm.generate(prompts, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))  # reuses freed blocks
+        out[f"scrub_over_e2e[{policy}]"] = sllm.engine.stats["scrub_s"] / (time.perf_counter() - t0)
+        del sllm
+    out["scrub_over_e2e"] = max(v for k, v in out.items() if k.startswith("scrub_over_e2e["))
+    out["hit_rate"] = hit_rate_vs_tenants(model, device, dtype, tenants, seed)
+    return out
+
+
+def hit_rate_vs_tenants(model, device, dtype, tenants=(1, 4, 16, 64), seed=0, questions_per_tenant=2) -> dict:
+    """Prefix-cache hit rate (cached / prompt tokens) when N tenants share one system prompt."""
+    rng = random.Random(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnsafeSettingWarning)
+        probe = LLM(model, device=device, dtype=dtype)
+    tok = probe.get_tokenizer()
+    system = "You are the support assistant of ACME Corp. Answer politely, cite the policy, never share data. " * 3
+    words = "order refund shipping invoice account password delivery warranty".split()
+    results: dict[str, dict[int, float]] = {}
+    for label, kwargs in (("shared (unsafe)", dict(cache_isolation="shared")),
+                          ("tenant", dict(cache_isolation="tenant")),
+                          ("tenant + shared_prefixes", dict(cache_isolation="tenant", shared_prefixes=[system]))):
+        results[label] = {}
+        for n in tenants:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UnsafeSettingWarning)
+                llm = LLM(model, device=device, dtype=dtype, enable_prefix_caching=True, **kwargs)
+            reqs = [(f"t{t}", system + " ".join(rng.choice(words) for _ in range(8)) + "?")
+                    for _ in range(questions_per_tenant) for t in range(n)]
+            cached = total = 0
+            for tenant, prompt in reqs:
+                o = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0), tenant=tenant)[0]
+                cached, total = cached + o.num_cached_tokens, total + len(o.prompt_token_ids)
+            results[label][n] = cached / total
+    del tok
+    return results
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m minikv.bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--only", default="throughput,ttft,isolation")
+    ap.add_argument("--json", default=None, help="also write the results to this JSON file")
+    args = ap.parse_args(argv)
+    sections = set(args.only.split(","))
+    path = resolve_model(args.model)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    device, dtype = llm.engine.device, llm.engine.dtype
+    report = {"model": args.model, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+              "threads": torch.get_num_threads()}
+    if "throughput" in sections:
+        report["throughput"] = bench_throughput(llm, path)
+    if "ttft" in sections:
+        report["ttft"] = bench_ttft(args.model, args.device, args.dtype)
+    if "isolation" in sections:
+        report["isolation"] = bench_isolation(llm, args.model, args.device, args.dtype)
+    print(format_report(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return 0
+
+
+def format_report(report: dict) -> str:
+    lines = [f"minikv benchmark: {report['model']} on {report['device']} ({report['dtype']}, "
+             f"{report['threads']} threads) -- ratios from one run"]
+    flat = {}
+    for section in ("throughput", "ttft", "isolation"):
+        for k, v in report.get(section, {}).items():
+            if isinstance(v, float):
+                flat[k] = v
+    for k, v in flat.items():
+        target = TARGETS.get(k, "")
+        lines.append(f"  {k:<36} {v:10.4f}   {('target ' + target) if target else ''}")
+    if "isolation" in report:
+        lines.append("  hit rate, N tenants sharing one system prompt:")
+        for label, by_n in report["isolation"]["hit_rate"].items():
+            lines.append(f"    {label:<26} " + "  ".join(f"N={n}: {r:5.1%}" for n, r in by_n.items()))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -88,3 +88,12 @@ def test_min_samples_for_gu_alpha_is_15():
 
 def test_min_samples_monotone_in_alpha():
     assert min_samples_for(0.05) < min_samples_for(1e-3) < min_samples_for(1e-8) < min_samples_for(1e-12)
+
+
+def test_package_exports_resolve_lazily():
+    import minikv.audit as audit
+    from minikv.audit import stats
+
+    assert audit.audit_samples is stats.audit_samples and "detect" in audit.__all__
+    with pytest.raises(AttributeError):
+        audit.no_such_name  # noqa: B018

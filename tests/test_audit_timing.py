@@ -23,21 +23,24 @@ from minikv.audit.timing import (TimingAuditError, TimingPlan, TimingReport, _Pa
 # Per arm.  The floor for alpha = 1e-8 is 15; at 30, up to 7 hits delayed past every miss (CPU
 # contention on a busy 2-core CI box) still give p < 1e-8.  Negatives need no margin: 16.
 N, N_NEG = 30, 16
-PREFIX_WORDS = 40
-ATTACKER, VICTIM = "sk-att-5e1f", "sk-vic-77c2"  # the fake caches the first 40 words (a "block-aligned prefix")
+PREFIX_WORDS = 40  # the fake caches the first 40 words (its "block-aligned prefix")
+ATTACKER, VICTIM = "sk-att-5e1f", "sk-vic-77c2"
 
 
 class FakeAPI:
     def __init__(self):
         self.mode = "global"  # or "per_tenant"
         self.fail_every = 0  # > 0: every k-th POST answers 503 (a flaky endpoint)
+        self.tokens_per_word = 1  # what usage.prompt_tokens reports (3 ~ a byte-level tokenizer)
         self.cache: set = set()
         self.log: list = []  # (time, key, path)
+        self.prompt_words: list = []  # the words of each POSTed prompt
         app = FastAPI()
 
         async def handle(request: Request, prompt: str):
             key = request.headers.get("authorization", "")
             self.log.append((time.monotonic(), key, request.url.path))
+            self.prompt_words.append(prompt.split())
             if key not in (f"Bearer {ATTACKER}", f"Bearer {VICTIM}"):
                 return fastapi.responses.JSONResponse({"error": "bad key"}, status_code=401)
             if self.fail_every and len(self.posts()) % self.fail_every == 0:
@@ -48,7 +51,8 @@ class FakeAPI:
             await asyncio.sleep(0.002 if hit else 0.030)
             return {"id": "x", "object": "text_completion", "model": "fake",
                     "choices": [{"index": 0, "text": "a", "finish_reason": "length"}],
-                    "usage": {"prompt_tokens": len(prompt.split()), "completion_tokens": 1}}
+                    "usage": {"prompt_tokens": self.tokens_per_word * len(prompt.split()),
+                              "completion_tokens": 1}}
 
         @app.post("/v1/completions")
         async def completions(request: Request):
@@ -98,14 +102,16 @@ def fake():
 @pytest.fixture
 def api(fake):
     fake.log.clear()
-    fake.mode, fake.fail_every = "global", 0
+    fake.prompt_words.clear()
+    fake.mode, fake.fail_every, fake.tokens_per_word = "global", 0, 1
     return fake
 
 
 def audit(api, **kw):
     kw.setdefault("victim_key", VICTIM)
     kw.setdefault("n_samples", N)
-    return run_timing_audit(api.url, ATTACKER, prompt_tokens=60, progress=False, **kw)
+    kw.setdefault("prompt_tokens", 60)
+    return run_timing_audit(api.url, ATTACKER, progress=False, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +122,7 @@ def global_run(fake):
     return rep, list(fake.posts())
 
 
+@pytest.mark.slow
 def test_global_cache_is_detected_across_keys(global_run):
     rep, posts = global_run
     assert isinstance(rep, TimingReport) and rep.separate_victim
@@ -127,18 +134,27 @@ def test_global_cache_is_detected_across_keys(global_run):
     assert sum(k == f"Bearer {VICTIM}" for _, k, _ in posts) == N
 
 
+@pytest.mark.slow
 def test_per_tenant_cache_is_not_detected(api):
     api.mode = "per_tenant"
     rep = audit(api, model="fake", endpoint="chat", n_samples=N_NEG)
     assert not rep.detected and rep.verdict.startswith("no evidence of sharing")
 
 
+@pytest.mark.slow
 def test_self_priming_detects_per_user_caching(api):
     api.mode = "per_tenant"
     rep = audit(api, victim_key=None, prefix_fraction=0.8)  # also: model discovered via GET /models
     assert rep.model == "fake-model" and not rep.separate_victim
     assert rep.detected and "per-user" in rep.verdict
     assert all(k == f"Bearer {ATTACKER}" for _, k, _ in api.log)
+
+
+def test_prompt_length_calibrated_from_usage(api):
+    api.tokens_per_word = 3
+    rep = audit(api, model="fake", n_samples=2, prompt_tokens=60 * 3)
+    assert rep.words_per_prompt == 60
+    assert all(len(body) == 60 for body in api.prompt_words[1:])  # every trial, after the warm-up
 
 
 def test_dry_run_sends_nothing(api):
@@ -190,6 +206,7 @@ def test_transient_failures_are_dropped_then_abort(api):
         audit(api, model="fake", n_samples=6)
 
 
+@pytest.mark.slow
 def test_report_json_and_plot(global_run, tmp_path):
     rep = global_run[0]
     d = json.loads(rep.to_json())
@@ -212,6 +229,7 @@ def _timing_argv(api, out, *extra):
             "--out", str(out), *extra]
 
 
+@pytest.mark.slow
 def test_cli_exit_codes_and_outputs(api, tmp_path, capsys, global_run, monkeypatch):
     assert _cli(_timing_argv(api, tmp_path / "a", "--fail-on-detect")) == 2  # end to end
     assert "CACHE SHARING DETECTED" in capsys.readouterr().out

@@ -130,8 +130,16 @@ def run_request(engine, prompt_ids: list[int], max_tokens: int = 4, tenant: str 
 
 @torch.inference_mode()
 def reference_greedy(engine, prompt_ids: list[int], max_tokens: int = 4) -> tuple[list[int], list[torch.Tensor]]:
-    """Greedy continuation computed with the cache off: every step is a full ``engine.score``
-    on fresh blocks, so no prefix-cache entry can influence it."""
+    """Greedy continuation computed with the prefix cache out of the picture.
+
+    On an engine with prefix caching off this is one ordinary request (no lookup can hit).
+    Otherwise every step is a full ``engine.score`` on fresh blocks (slower, same guarantee).
+    The reference depends only on the model and the prompt, so one cache-off engine can serve
+    every configuration of the same model: compute it once and pass it as ``reference=``.
+    """
+    if not engine.block_manager.enable_caching:
+        run = run_request(engine, prompt_ids, max_tokens)
+        return run.token_ids, run.logits
     ids, toks, logits = list(prompt_ids), [], []
     for _ in range(max_tokens):
         row = engine.score(ids)[-1]
@@ -179,13 +187,15 @@ class ContaminationResult:
 
 def contamination_demo(engine, first_a: list[int], first_b: list[int], shared: list[int],
                        tail: list[int], max_tokens: int = 4, writer_tail: list[int] | None = None,
-                       tenants: tuple = (None, None, None)) -> ContaminationResult:
+                       tenants: tuple = (None, None, None), reference=None) -> ContaminationResult:
     """Three requests: a writer caches ``shared`` after ``first_a``; an earlier request caches
     ``first_b``; the victim sends ``first_b + shared + tail``.
 
     ``first_a`` and ``first_b`` must be exactly one block each, ``shared`` one or more whole blocks.  With content-only keys
     the victim's lookup hits ``first_b`` (correct: a first block has no context) and then
     ``shared`` -- computed after ``first_a``.  ``tenants`` = (writer, earlier, victim).
+    ``reference``: the victim's cache-off ``(tokens, logits)`` from :func:`reference_greedy`
+    (computed here when None).
     """
     bs = engine.block_size
     for name, blk in (("first_a", first_a), ("first_b", first_b)):
@@ -198,8 +208,8 @@ def contamination_demo(engine, first_a: list[int], first_b: list[int], shared: l
     run_request(engine, list(first_b) + writer_tail, 1, tenants[1])
     victim_ids = list(first_b) + list(shared) + list(tail)
     victim = run_request(engine, victim_ids, max_tokens, tenants[2])
-    ref_toks, ref_logits = reference_greedy(engine, victim_ids, max_tokens)
-    return ContaminationResult(victim, ref_toks, ref_logits)
+    ref_toks, ref_logits = reference or reference_greedy(engine, victim_ids, max_tokens)
+    return ContaminationResult(victim, list(ref_toks), list(ref_logits))
 
 
 # ------------------------------------------------------------------ collision poisoning
@@ -232,7 +242,8 @@ class PoisonResult:
 
 def poison_with_collision(engine, block_a, block_b, victim_tail: list[int],
                           attacker_tail: list[int] | None = None, max_tokens: int = 4,
-                          attacker_tenant: str | None = None, victim_tenant: str | None = None) -> PoisonResult:
+                          attacker_tenant: str | None = None, victim_tenant: str | None = None,
+                          reference=None) -> PoisonResult:
     """Attacker sends ``block_a + attacker_tail`` (its K/V get cached); victim then sends
     ``block_b + victim_tail``.  Returns what the victim's lookup reused and how its output
     compares with the cache-off reference.
@@ -240,7 +251,8 @@ def poison_with_collision(engine, block_a, block_b, victim_tail: list[int],
     ``block_a`` and ``block_b`` are one block each; they should collide under the engine's block
     hasher in the setting of the first block (parent None; tenant key None under
     ``cache_isolation="shared"``).  ``keys_equal`` reports whether they do, as the engine hashes
-    them for the victim's tenant.
+    them for the victim's tenant.  ``reference``: the victim's cache-off ``(tokens, logits)``
+    from :func:`reference_greedy` (computed here when None).
     """
     bm, bs = engine.block_manager, engine.block_size
     a, b = tuple(block_a), tuple(block_b)
@@ -252,5 +264,5 @@ def poison_with_collision(engine, block_a, block_b, victim_tail: list[int],
     run_request(engine, list(a) + attacker_tail, 1, attacker_tenant)
     victim_ids = list(b) + list(victim_tail)
     victim = run_request(engine, victim_ids, max_tokens, victim_tenant)
-    ref_toks, ref_logits = reference_greedy(engine, victim_ids, max_tokens)
-    return PoisonResult(a, b, keys_equal, victim, ref_toks, ref_logits)
+    ref_toks, ref_logits = reference or reference_greedy(engine, victim_ids, max_tokens)
+    return PoisonResult(a, b, keys_equal, victim, list(ref_toks), list(ref_logits))

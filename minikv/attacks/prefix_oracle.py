@@ -113,7 +113,8 @@ class Recovery:
     probes: int                          # requests sent to the server
     complete: bool                       # True when all ``secret_len`` tokens were recovered
     probes_per_block: list[int] = field(default_factory=list)
-    trace: list[tuple[tuple[int, ...], int, bool]] = field(default_factory=list)  # (guess, cached, hit)
+    #: one entry per probe: (block_end, guessed tokens, cached tokens reported, hit)
+    trace: list[tuple[int, tuple[int, ...], int, bool]] = field(default_factory=list)
 
     @property
     def probes_per_token(self) -> float:
@@ -160,7 +161,7 @@ def recover_secret_by_count(llm, known_prefix_ids: Sequence[int], secret_len: in
                                          attacker_tenant)
             rec.probes += 1
             hit = cached >= block_end
-            rec.trace.append((tuple(path), cached, hit))
+            rec.trace.append((block_end, tuple(path), cached, hit))
             found = path if hit else None
         rec.probes_per_block.append(rec.probes - before)
         if found is None:

@@ -260,6 +260,7 @@ class StaleRead:
     request_id: str
     context_len: int
     slots: list[tuple[int, int]]  # (physical block id, slot) read past the sequence's length
+    #                               (padding entries of the block table included)
     k: torch.Tensor  # [len(slots), kv_heads, head_dim]: the layer-0 K bytes it read there
     v: torch.Tensor
 
@@ -283,12 +284,13 @@ class StaleReadRecorder:
         tables, k, v = self._pending.pop()  # the decode gather is the last one of layer 0
         self._pending.clear()
         running = [s.request_id for s in self.engine.scheduler.running]
-        bs = self.engine.block_size
+        bs, width = self.engine.block_size, tables.shape[1] * self.engine.block_size
         for row, n in enumerate(context_lens.tolist()):
-            live = -(-n // bs) * bs  # slots in the blocks this sequence really owns
-            slots = [(int(tables[row, p // bs]), p % bs) for p in range(n, live)]
+            # every gathered slot past the sequence's length: the tail of its last block, and
+            # whole padding blocks when a longer sequence widened the batch's block table
+            slots = [(int(tables[row, p // bs]), p % bs) for p in range(n, width)]
             self.reads.append(StaleRead(self.engine.step_count, running[row], n, slots,
-                                        k[row, n:live].clone(), v[row, n:live].clone()))
+                                        k[row, n:width].clone(), v[row, n:width].clone()))
 
 
 @contextlib.contextmanager

@@ -54,8 +54,9 @@ def find_gu_zip(start: str | os.PathLike | None = None) -> Path | None:
     """Locate ``gu-audit-data.zip``; return None when it is not available.
 
     Order: ``$MINIKV_SHARED`` (the shared folder, its ``data/`` folder, or the zip itself), then
-    ``shared/data/`` in ``start`` (default: this package) or any of its parents.  Walking up finds
-    both a ``shared/`` inside the checkout and the CI layout where it sits next to the repo.
+    ``shared/data/`` in ``start`` (default: this package, then the working directory) or any of
+    its parents.  Walking up finds both a ``shared/`` inside the checkout and the CI layout
+    where it sits next to the repo.
     """
     env = os.environ.get("MINIKV_SHARED")
     if env:
@@ -63,11 +64,12 @@ def find_gu_zip(start: str | os.PathLike | None = None) -> Path | None:
         for cand in (p, p / ZIP_NAME, p / "data" / ZIP_NAME):
             if cand.is_file():
                 return cand
-    here = Path(start) if start is not None else Path(__file__).resolve().parent
-    for d in (here, *here.parents):
-        cand = d / "shared" / "data" / ZIP_NAME
-        if cand.is_file():
-            return cand
+    starts = [Path(start)] if start is not None else [Path(__file__).resolve().parent, Path.cwd()]
+    for here in starts:  # the cwd covers a non-editable install run from the checkout
+        for d in (here, *here.parents):
+            cand = d / "shared" / "data" / ZIP_NAME
+            if cand.is_file():
+                return cand
     return None
 
 

@@ -21,8 +21,11 @@ Protocol (one audit = ``n_samples`` hit trials + ``n_samples`` miss trials):
 Without ``victim_key`` the attacker primes its own prompts: that only tests *per-user* caching
 (a cache exists and is observable), not sharing.
 
-Prompts are random sequences of common English words; each such word is about one BPE token, so
-``prompt_tokens`` words approximate that many tokens (chat templates add a few more).  The trial
+Prompts are random sequences of common English words; in GPT-2/Llama-style BPE vocabularies each
+is about one token.  A byte-level tokenizer spends several tokens per word, so the warm-up request
+(``WARMUP_WORDS`` words) calibrates: when the server reports ``usage.prompt_tokens`` the word count
+is scaled to land near ``prompt_tokens`` tokens (a chat template's few extra tokens make prompts
+slightly shorter than asked; harmless).  Without ``usage`` one word = one token.  The trial
 order is reproducible from ``seed``, but the words are salted per run (``prompt_salt``): a rerun
 that re-sent the same "miss" prompts would find them cached from the previous run.  Gu et al.
 used 5000-token prompts and 250 samples per arm; the defaults (512 tokens, 25 per arm) fit a CPU
@@ -43,20 +46,19 @@ import httpx
 
 from .stats import GU_ALPHA, AuditResult, audit_samples, min_samples_for
 
-# ~200 short common words; with a leading space each is a single token in GPT-2/Llama-style BPEs.
+# Short common words; with a leading space each is a single token in GPT-2/Llama-style BPEs.
+# 123 words make 123**16 (~3e33) different 16-word runs: random prompts never collide by chance.
 _WORDS = (
     "the of and to in is was for on are with as be at by this have from or one had not but what all "
-    "were when we there can an your which their said if do will each about how up out them then "
-    "she many some so these would other into has more her two like him see time could no make than "
-    "first been its who now people my made over did down only way find use may water long little "
-    "very after words called just where most know get through back much before go good new write "
-    "our used me man too any day same right look think also around another came come work three "
-    "word must because does part even place well such here take why things help put years different "
-    "away again off went old number great tell men say small every found still between name should "
-    "home big give air line set own under read last never us left end along while might next sound "
-    "below saw something thought both few those always looked show large often together asked house "
-    "world going want school important until form food keep children feet land side without boy once"
+    "were when we there can an your which their said if do will each about how up out them then she "
+    "many some so these would other into has more her two like him see time could no make than first "
+    "been its who now people my made over did down only way find use may water long little very after "
+    "words called just where most know get through back much before go good new write our used me man "
+    "too any day same right look think also around another came come work three word must because does"
 ).split()
+
+
+WARMUP_WORDS = 64
 
 
 class TimingAuditError(RuntimeError):
@@ -89,7 +91,7 @@ def plan_timing_audit(base_url: str, n_samples: int = 25, prompt_tokens: int = 5
     """Count requests and prompt tokens: one warm-up, then per hit trial ``victim_requests`` primes
     plus the probe, per miss trial one request (+1 GET /models when the model must be discovered)."""
     n_req = 1 + n_samples * (victim_requests + 1) + n_samples + (model is None)
-    tokens = 8 + n_samples * (victim_requests + 1) * prompt_tokens + n_samples * prompt_tokens
+    tokens = WARMUP_WORDS + n_samples * (victim_requests + 1) * prompt_tokens + n_samples * prompt_tokens
     return TimingPlan(base_url, endpoint, n_samples, victim_requests, prompt_tokens, n_req, tokens,
                       victim_key is not None)
 
@@ -113,6 +115,7 @@ class TimingReport:
     victim_requests: int
     seed: int
     prompt_salt: str
+    words_per_prompt: int  # after calibration against the server's token count
     hit_times: list[float]
     miss_times: list[float]
     result: AuditResult
@@ -138,8 +141,7 @@ class TimingReport:
         return f"no evidence of prompt caching, even for the attacker's own prompts ({nums})"
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["result"] = self.result.to_dict()
+        d = asdict(self)  # recurses into the AuditResult
         d["verdict"] = self.verdict
         d["detected"] = self.detected
         return d
@@ -209,6 +211,7 @@ class _Client:
         self.endpoint, self.model, self.pacer = endpoint, model, pacer
         self.http = httpx.Client(timeout=timeout)
         self.failures, self.max_failures, self.sent = 0, max_failures, 0
+        self.last_prompt_tokens: int | None = None  # usage.prompt_tokens of the last success
 
     def discover_model(self, key: str) -> str:
         self.pacer.wait()
@@ -244,6 +247,10 @@ class _Client:
             raise TimingAuditError(f"POST {url} -> HTTP {r.status_code}: {r.text[:300]}")
         if r.status_code != 200:
             return self._fail(f"HTTP {r.status_code}")
+        try:
+            self.last_prompt_tokens = int(r.json()["usage"]["prompt_tokens"])
+        except (ValueError, KeyError, TypeError):
+            self.last_prompt_tokens = None
         return dt
 
     def _fail(self, why: str) -> None:
@@ -285,21 +292,24 @@ def run_timing_audit(base_url: str, api_key: str, victim_key: str | None = None,
     max_failures = max(1, len(order) // 10) if max_failures is None else max_failures
     client = _Client(base_url, endpoint, model, _Pacer(rate_limit), timeout, max_failures)
     victim = victim_key if victim_key is not None else api_key
-    n_shared = max(1, round(prefix_fraction * prompt_tokens))
     hits: list[float] = []
     misses: list[float] = []
     t_start = time.perf_counter()
     try:
         if client.model is None:
             client.model = client.discover_model(api_key)
-        # Warm-up: opens the keep-alive connection so no trial pays the TCP/TLS handshake.
-        client.timed(api_key, " ".join(_random_words(words_rng, 8)), strict=True)
+        # Warm-up: opens the keep-alive connection so no trial pays the TCP/TLS handshake,
+        # and tells us how many tokens the server's tokenizer makes of our words.
+        client.timed(api_key, " ".join(_random_words(words_rng, WARMUP_WORDS)), strict=True)
+        per_word = (client.last_prompt_tokens or WARMUP_WORDS) / WARMUP_WORDS
+        n_words = max(1, round(prompt_tokens / max(per_word, 1e-3)))
+        n_shared = max(1, round(prefix_fraction * n_words))
         trials = order
         if progress:
             from tqdm import tqdm
             trials = tqdm(order, desc="timing audit", unit="trial", file=sys.stderr)
         for kind in trials:
-            words = _random_words(words_rng, prompt_tokens)
+            words = _random_words(words_rng, n_words)
             if kind == "miss":
                 dt = client.timed(api_key, " ".join(words))
                 if dt is not None:
@@ -307,7 +317,7 @@ def run_timing_audit(base_url: str, api_key: str, victim_key: str | None = None,
                 continue
             for _ in range(victim_requests):
                 client.timed(victim, " ".join(words))
-            probe = words[:n_shared] + _random_words(words_rng, prompt_tokens - n_shared)
+            probe = words[:n_shared] + _random_words(words_rng, n_words - n_shared)
             dt = client.timed(api_key, " ".join(probe))
             if dt is not None:
                 hits.append(dt)
@@ -318,7 +328,7 @@ def run_timing_audit(base_url: str, api_key: str, victim_key: str | None = None,
     return TimingReport(
         base_url=base_url, model=client.model, endpoint=endpoint, separate_victim=_separate(api_key, victim_key),
         n_samples=n_samples, prompt_tokens=prompt_tokens, prefix_fraction=prefix_fraction,
-        victim_requests=victim_requests, seed=seed, prompt_salt=salt, hit_times=hits, miss_times=misses,
+        victim_requests=victim_requests, seed=seed, prompt_salt=salt, words_per_prompt=n_words, hit_times=hits, miss_times=misses,
         result=audit_samples(hits, misses, alpha=alpha), failures=client.failures,
         elapsed_s=time.perf_counter() - t_start, n_requests=client.sent, notes=notes,
     )

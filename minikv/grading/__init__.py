@@ -1,0 +1,39 @@
+"""Graders for the minikv course exercises (lessons 07 and 08), in the ARENA style.
+
+Every ``check_*`` function takes the learner's implementation, runs it -- inside a real
+minikv engine where the exercise plugs into one of the engine's seams -- and prints one line:
+``✅ check_x passed: ...`` or ``❌ check_x failed: ...`` followed by a hint.  It returns
+``True``/``False`` and never raises, so lesson cells can call it freely; ``quiet=True``
+suppresses the printing.
+
+=====================================  ====  ============================================
+grader                                 ex    what is checked
+=====================================  ====  ============================================
+``check_encode_fields``                1a    typed, length-prefixed, injective encoding
+``check_chained_hash``                 1b    chained, typed, domain-separated block hash
+``check_tenant_key_derivation``        2a    HMAC-derived, secret-dependent tenant keys
+``check_tenant_keyed_hasher``          2b    keyed hasher, key in every block
+``check_block_keys``                   2c    tenant key reaches every private block
+``check_zero_blocks``                  3a    exactly these blocks, all layers, K and V
+``check_scrubber``                     3b    no stale data handed out, no live data lost
+``check_audit_verdict``                4a    fail / inconclusive / pass
+``check_isolation_audit``              4b    both directions, concurrent, vs ground truth
+``check_ks_test``                      5a    one-sided KS equal to minikv.audit.stats
+``check_roc_auc``                      5b    AUC equal to minikv.audit.stats
+=====================================  ====  ============================================
+
+``minikv.grading.mutants`` holds realistic wrong implementations of each exercise (the tests
+prove every grader rejects them); ``minikv.grading.make_exercises`` generates ``exercises/``
+from ``solutions/``; ``minikv.grading.runner`` is ``make grade``.
+"""
+from .hashing import (check_block_keys, check_chained_hash, check_encode_fields, check_tenant_key_derivation,
+                      check_tenant_keyed_hasher)
+from .isolation import check_audit_verdict, check_isolation_audit
+from .scrubbing import check_scrubber, check_zero_blocks
+from .stats import check_ks_test, check_roc_auc
+
+__all__ = [
+    "check_encode_fields", "check_chained_hash", "check_tenant_key_derivation", "check_tenant_keyed_hasher",
+    "check_block_keys", "check_zero_blocks", "check_scrubber", "check_audit_verdict", "check_isolation_audit",
+    "check_ks_test", "check_roc_auc",
+]

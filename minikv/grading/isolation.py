@@ -1,0 +1,144 @@
+"""Graders for exercise 4: the two-directional, concurrent isolation audit.
+
+The learner's audit is run against five real engines whose correct verdict is known (and is
+also what the engine's reference audit, ``minikv.audit.isolation.audit_engine``, concludes):
+
+=====================================================  ================
+engine                                                 correct verdict
+=====================================================  ================
+tenant-isolated cache (minikv's default)               pass
+cache shared across tenants (UNSAFE)                   fail
+tenant-isolated, but the hasher drops the tenant key   fail
+prefix caching off                                     inconclusive
+per-request isolation (nothing is ever reused)         inconclusive
+=====================================================  ================
+
+Besides the verdict, the audit's counts must equal the engine's ground truth (a block-manager
+listener records who wrote every block that was hit), and requests of at least two tenants
+must have run in the same engine step (the audit is concurrent).
+"""
+from __future__ import annotations
+
+import functools
+
+from ..audit.isolation import audit_engine
+from ..security.hashing import make_hasher
+from ._report import CheckFailed, expect, grader
+from .engines import BS, ENGINE_SECRET, HitLog, tiny_llm
+
+
+def _untenanted_sha256():
+    """A hasher that silently drops the tenant key (the salt never reaches the cache key)."""
+    inner = make_hasher("sha256", ENGINE_SECRET)
+
+    def hasher(parent, tokens, extra, tenant_key):
+        return inner(parent, tokens, extra, None)
+
+    return hasher
+
+
+#: name -> (engine settings, correct verdict, what the engine does)
+ENGINES = {
+    "isolated": (dict(enable_prefix_caching=True), "pass", "tenant-isolated cache"),
+    "shared": (dict(enable_prefix_caching=True, cache_isolation="shared"), "fail", "cache shared across tenants"),
+    "dropped-key": (dict(enable_prefix_caching=True, verify_hits=False, block_hasher="untenanted"), "fail",
+                    "tenant isolation whose hasher drops the tenant key"),
+    "cache-off": (dict(enable_prefix_caching=False), "inconclusive", "prefix caching off"),
+    "per-request": (dict(enable_prefix_caching=True, cache_isolation="request"), "inconclusive",
+                    "per-request isolation (no reuse at all)"),
+}
+
+
+def _engine(name: str):
+    settings = dict(ENGINES[name][0])
+    if settings.get("block_hasher") == "untenanted":
+        settings["block_hasher"] = _untenanted_sha256()
+    return tiny_llm(num_blocks=256, engine_secret=ENGINE_SECRET, **settings)
+
+
+@functools.lru_cache(maxsize=None)
+def reference_verdict(name: str) -> str:
+    """What minikv's own audit concludes on engine ``name`` (cached per process)."""
+    return audit_engine(_engine(name), tenants=("alice", "bob", "carol"), rounds=1, seed=0, salt="grading",
+                        prompt_words=8).verdict
+
+
+CASES = [((0, 0), "inconclusive"), ((0, 12), "pass"), ((4, 0), "fail"), ((4, 12), "fail"), ((0, 1), "pass"),
+         ((1, 0), "fail")]
+
+
+@grader("a leak (cross > 0) is 'fail' first; then no same-tenant hit at all is 'inconclusive'; only then 'pass'.")
+def check_audit_verdict(audit_verdict) -> str:
+    """Exercise 4a: the two-directional verdict rule."""
+    for (cross, same), want in CASES:
+        got = audit_verdict(cross, same)
+        why = {"inconclusive": "the audit never saw a cache hit, so 0 cross-tenant hits proves nothing "
+                               "(SGLang #23300: the salt never reached the scheduler and a one-sided test passed)",
+               "fail": "any cross-tenant cached token is a leak", "pass": "no leak, and the audit could see hits"}[want]
+        expect(got == want, f"audit_verdict(cross={cross}, same={same}) returned {got!r}, expected {want!r}: {why}")
+    return "fail on any leak, inconclusive without a same-tenant hit, pass otherwise"
+
+
+class _Concurrency:
+    """Wraps one engine's scheduler: records the tenants scheduled together in each step."""
+
+    def __init__(self, engine):
+        self.max_tenants = 0
+        self.steps = 0
+        original = engine.scheduler.schedule
+
+        def schedule():
+            batch = original()
+            tenants = {s.tenant for s in batch.prefills + batch.decodes}
+            self.max_tenants = max(self.max_tenants, len(tenants))
+            self.steps += 1
+            return batch
+
+        engine.scheduler.schedule = schedule
+
+
+@grader("wave 1: every tenant primes its own document; wave 2: every tenant re-sends its own AND copies another's; "
+        "queue each wave at once (one llm.generate with lists) so tenants share engine steps.")
+def check_isolation_audit(isolation_audit) -> str:
+    """Exercise 4b: correct verdict on five engines, counts equal ground truth, concurrency."""
+    seen = []
+    for name, (_, want, what) in ENGINES.items():
+        llm = _engine(name)
+        log = HitLog(llm.engine)
+        conc = _Concurrency(llm.engine)
+        report = isolation_audit(llm, tenants=("alice", "bob", "carol"))
+        for attr in ("verdict", "cross_tenant_cached_tokens", "same_tenant_cached_tokens"):
+            expect(hasattr(report, attr), f"the report has no attribute {attr!r}", "return an IsolationReport.")
+        expect(conc.steps > 0, "the audit never ran the engine it was given", "send the requests to `llm`.")
+        expect(conc.max_tenants >= 2,
+               f"requests of different tenants never ran in the same engine step ({what}): the audit is sequential",
+               "queue a whole wave at once, e.g. llm.generate(prompts, params, tenant=tenants): isolation must hold "
+               "inside a batch, not only between quiet requests.")
+        true_cross = BS * len(log.cross)
+        true_same = BS * len(log.same)
+        expect(report.cross_tenant_cached_tokens == true_cross,
+               f"on the engine with a {what}, your audit counted {report.cross_tenant_cached_tokens} cross-tenant "
+               f"cached tokens; the engine served {true_cross} tokens from another tenant's blocks",
+               "a request's cached tokens are cross-tenant only if nobody but another tenant can have sent that "
+               "prefix before (a copy of another tenant's document, or a first-time request); re-sends of your "
+               "own document are same-tenant.")
+        expect(report.same_tenant_cached_tokens == true_same,
+               f"on the engine with a {what}, your audit counted {report.same_tenant_cached_tokens} same-tenant "
+               f"cached tokens; the engine served {true_same} tokens from the tenant's own blocks",
+               "count the cached tokens of each tenant's re-sends of its own document as same-tenant.")
+        if want == "fail":
+            expect(true_cross > 0, f"on the engine with a {what}, your workload never made one tenant send another "
+                   "tenant's prompt, so the leak could not show",
+                   "in wave 2, every tenant must also send ANOTHER tenant's document (what an attacker does).")
+        ref = reference_verdict(name)
+        expect(report.verdict == want,
+               f"on the engine with a {what}, your verdict is {report.verdict!r}; the correct verdict is {want!r} "
+               f"(minikv's reference audit says {ref!r})",
+               {"fail": "any cross-tenant cached token means 'fail'.",
+                "pass": "0 cross-tenant AND > 0 same-tenant cached tokens means 'pass'.",
+                "inconclusive": "with 0 cross-tenant and 0 same-tenant cached tokens the audit saw no hit at all: "
+                                "'inconclusive', never 'pass' (check both directions)."}[want])
+        if ref != want:  # the reference audit disagrees with the table: a grader bug, not the learner's
+            raise RuntimeError(f"reference audit verdict {ref!r} on {name!r}, expected {want!r}")
+        seen.append(f"{name}={report.verdict}")
+    return "right verdict on all five engines (" + ", ".join(seen) + "), counts match the engine, tenants concurrent"

@@ -1,0 +1,132 @@
+"""Exercise 2 (lesson 07): tenant-keyed block hashing with server-side, per-tenant keys.
+
+A shared prefix cache answers "did anyone recently send this prefix?" to every tenant (lesson
+04).  The structural fix: make the cache key depend on a key that only the server knows and
+that differs per tenant.  Then tenant B's probes can only ever hit B's own blocks.
+
+* 2a ``derive_tenant_key`` -- the server derives a tenant's key from its engine secret with
+  HMAC (clients never see, choose or copy it: unlike vLLM's client-chosen ``cache_salt``);
+* 2b ``TenantKeyedHasher`` -- a ``BlockHasher`` keyed by that key (HMAC-SHA256), in every block;
+* 2c ``block_keys`` -- the plumbing: the chain of keys of one prompt, tenant key included in
+  every block after the operator-declared public prefix.  Real bugs live here: a salt that
+  only reaches some blocks, or never reaches the key at all (SGLang #23300).
+
+Grade with ``check_tenant_key_derivation``, ``check_tenant_keyed_hasher``, ``check_block_keys``.
+"""
+from __future__ import annotations
+
+import hmac
+
+# The reference typed encoding (lesson 07 explains it; exercise 1a is the same idea).  You may
+# use your own ``exercises.ex1_chained_hash.encode_fields`` instead once it passes its check.
+from minikv.security.encoding import encode_fields
+
+TENANT_LABEL = "minikv-course/tenant-key/v1"
+SHARED_LABEL = "minikv-course/shared-key/v1"
+BLOCK_LABEL = "minikv-course/keyed-block/v1"
+MIN_SECRET_BYTES = 16
+
+
+def derive_tenant_key(engine_secret: bytes, tenant: str | None) -> bytes:
+    """Return the 32-byte cache key of ``tenant`` (``None`` = anonymous requests).
+
+    Contract:
+
+    * ``HMAC-SHA256(engine_secret, typed(label, tenant))``: deterministic, 32 bytes;
+    * different tenants -> different keys; ``None`` and ``""`` are different tenants;
+    * depends on the secret: another engine secret gives unrelated keys, and a client who knows
+      only tenant names cannot compute any key (no ``sha256(tenant)``!);
+    * never reveals the secret (the key is not the secret, nor contains it);
+    * raises ``TypeError`` if ``engine_secret`` is not bytes and ``ValueError`` if it is
+      shorter than ``MIN_SECRET_BYTES`` (a short secret can be brute-forced, and then every
+      tenant key with it).
+
+    Hints:
+
+    * ``hmac.digest(key, msg, "sha256")``; the *secret* is the HMAC key, the tenant the message;
+    * encode the message with ``encode_fields(TENANT_LABEL, tenant)``: the label separates
+      this use of the secret from every other, and typing keeps ``None`` apart from ``""``.
+    """
+    # BEGIN SOLUTION
+    if not isinstance(engine_secret, (bytes, bytearray)):
+        raise TypeError(f"engine_secret must be bytes, got {type(engine_secret).__name__}")
+    if len(engine_secret) < MIN_SECRET_BYTES:
+        raise ValueError(f"engine_secret must be at least {MIN_SECRET_BYTES} bytes, got {len(engine_secret)}")
+    return hmac.digest(bytes(engine_secret), encode_fields(TENANT_LABEL, tenant), "sha256")
+    # END SOLUTION
+
+
+class TenantKeyedHasher:
+    """A ``BlockHasher`` keyed per tenant: ``hasher(parent, tokens, extra, tenant_key) -> bytes``.
+
+    ``TenantKeyedHasher(engine_secret)`` builds it; the engine then calls it for every full
+    block with the ``tenant_key`` it derived server-side (``None`` under
+    ``cache_isolation="shared"`` and for blocks of an operator-declared public prefix).
+
+    Contract:
+
+    * ``__init__`` raises ``ValueError`` for a secret shorter than ``MIN_SECRET_BYTES`` bytes and
+      derives a *shared key* from it (label ``SHARED_LABEL``) for blocks with ``tenant_key=None``;
+    * ``__call__`` returns an HMAC-SHA256 (32 bytes) keyed with ``tenant_key`` -- or with the
+      shared key when ``tenant_key`` is ``None`` -- over the typed ``(BLOCK_LABEL, parent,
+      tokens, extra, tenant_key is not None)``;
+    * the key enters **every** block, not only the first: with ``chain_hashes=True`` keying the
+      first block would carry the key down the chain, but a block whose parent is a *public*
+      (unkeyed) block, or an engine with ``chain_hashes=False``, would then lose it;
+    * chained and typed like exercise 1 (parent and tokens covered, no ambiguity).
+
+    Hints:
+
+    * HMAC with a secret key is a pseudo-random function: without the key nobody can compute
+      (or even confirm a guess of) a block key, and different keys give unrelated keys;
+    * the flag ``tenant_key is not None`` puts shared and tenant blocks in disjoint domains.
+    """
+
+    def __init__(self, engine_secret: bytes):
+        # BEGIN SOLUTION
+        if not isinstance(engine_secret, (bytes, bytearray)) or len(engine_secret) < MIN_SECRET_BYTES:
+            raise ValueError(f"engine_secret must be at least {MIN_SECRET_BYTES} bytes")
+        self._shared_key = hmac.digest(bytes(engine_secret), encode_fields(SHARED_LABEL), "sha256")
+        # END SOLUTION
+
+    def __call__(self, parent: bytes | None, tokens: tuple[int, ...], extra: tuple,
+                 tenant_key: bytes | None) -> bytes:
+        # BEGIN SOLUTION
+        key = self._shared_key if tenant_key is None else tenant_key
+        message = encode_fields(BLOCK_LABEL, parent, tuple(tokens), tuple(extra), tenant_key is not None)
+        return hmac.digest(key, message, "sha256")
+        # END SOLUTION
+
+
+def block_keys(hasher, token_ids: list[int], block_size: int, tenant_key: bytes | None = None,
+               public_len: int = 0) -> list[bytes]:
+    """The cache keys of every *full* block of ``token_ids``, chained, as the engine computes them.
+
+    Block ``i`` holds ``token_ids[i*block_size:(i+1)*block_size]``; a trailing partial block has
+    no key.  Its key is ``hasher(parent, block_tokens, (), key_i)`` where ``parent`` is block
+    ``i-1``'s key (``None`` for block 0) and ``key_i`` is ``None`` when the block lies entirely
+    inside the first ``public_len`` tokens (an operator-declared shared prefix, e.g. a system
+    prompt every tenant may share) and ``tenant_key`` otherwise.
+
+    Contract: the same list as the engine's ``BlockManager.block_hash`` for every block (the
+    grader installs your function in a real engine and checks both directions of isolation).
+
+    Hints:
+
+    * ``range(len(token_ids) // block_size)`` enumerates the full blocks;
+    * pass ``tenant_key`` to EVERY block after the public prefix: keying only the last block
+      leaves the first ones shared across tenants (the oracle of lesson 04 still works on them),
+      and forgetting to pass it leaves every block shared;
+    * a block that straddles the end of the public prefix is private: ``(i + 1) * block_size
+      <= public_len`` is the test for "entirely public".
+    """
+    # BEGIN SOLUTION
+    keys: list[bytes] = []
+    parent = None
+    for i in range(len(token_ids) // block_size):
+        block = tuple(token_ids[i * block_size:(i + 1) * block_size])
+        key = None if (i + 1) * block_size <= public_len else tenant_key
+        parent = hasher(parent, block, (), key)
+        keys.append(parent)
+    return keys
+    # END SOLUTION

@@ -1,0 +1,59 @@
+"""Exercise 5 (lesson 07): the statistics of a timing audit.
+
+From outside, a cache hit shows up as a faster response.  Given latencies of requests that
+*would* hit a shared cache ("hit" arm) and of requests that certainly miss ("miss" arm), a
+timing audit (Gu et al., "Auditing Prompt Caching in Language Model APIs", ICML 2025) asks two
+questions:
+
+* 5a ``ks_test`` -- are hit times significantly *smaller*?  A **one-sided** two-sample
+  Kolmogorov-Smirnov test: non-parametric (latencies are heavy-tailed and multi-modal), and
+  one-sided because only faster "hits" are evidence of caching; Gu et al. reject at
+  alpha = 1e-8;
+* 5b ``roc_auc`` -- how usable is the side channel?  The area under the ROC curve of the
+  classifier "smaller latency => hit": 0.5 is useless, 1.0 separates every hit from every miss.
+
+You may use numpy and scipy.  The grader compares your results with the engine's reference,
+``minikv.audit.stats``, on the same inputs (and on Gu et al.'s released measurements when
+``minikv.audit.gu`` can find them).
+"""
+from __future__ import annotations
+
+import numpy as np
+from scipy import stats
+
+
+def ks_test(hit, miss) -> tuple[float, float]:
+    """One-sided two-sample KS test of "hit times tend to be smaller than miss times".
+
+    Returns ``(statistic, pvalue)`` where ``statistic = max_t (F_hit(t) - F_miss(t))`` (the
+    empirical CDFs): 1.0 when every hit is faster than every miss, 0.0 when no hit is ever ahead.
+
+    Hints:
+
+    * ``scipy.stats.ks_2samp(x, y, alternative=...)``: read the docs carefully.  Its
+      ``"greater"`` alternative says "the CDF of x lies *above* the CDF of y" -- and a CDF that
+      rises *earlier* belongs to the sample with the *smaller* values;
+    * sanity check: with hits clearly faster the p-value is tiny; with hits clearly *slower*
+      it must be close to 1 (slower "hits" are not evidence of a cache);
+    * return plain floats.
+    """
+    # BEGIN SOLUTION
+    res = stats.ks_2samp(np.asarray(hit, dtype=float), np.asarray(miss, dtype=float), alternative="greater")
+    return float(res.statistic), float(res.pvalue)
+    # END SOLUTION
+
+
+def roc_auc(hit, miss) -> float:
+    """AUC of "smaller latency => hit" = P(hit < miss) + 0.5 * P(hit == miss) over all pairs.
+
+    Hints:
+
+    * broadcasting: ``h[:, None] < m[None, :]`` compares every (hit, miss) pair;
+    * ties count one half (latencies measured in whole milliseconds tie often);
+    * orientation check: ``roc_auc([1, 2], [3, 4]) == 1.0`` and ``roc_auc([3, 4], [1, 2]) == 0.0``.
+    """
+    # BEGIN SOLUTION
+    h = np.asarray(hit, dtype=float)[:, None]
+    m = np.asarray(miss, dtype=float)[None, :]
+    return float(((h < m).sum() + 0.5 * (h == m).sum()) / (h.size * m.size))
+    # END SOLUTION

@@ -1,0 +1,153 @@
+"""Helpers for the real-browser tests: a throwaway JupyterLab server and the system Chromium.
+
+Why the system Chromium: ``playwright install`` (and Galata, JupyterLab's own UI-test tool)
+download a browser build from a CDN, which machines that can only reach package registries
+(CI included) cannot do.  ``make chromium`` installs Debian's ``chromium`` package instead and
+playwright drives it through ``executable_path``.
+
+Everything here runs on 127.0.0.1 only, with a random token, in a temporary directory, and is
+torn down by process id (the server runs in its own session, so its kernels go with it).
+"""
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import nbformat
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def copy_notebook(src: Path, dest_dir: Path, extra_code: str | None = None,
+                  stop_after=None) -> Path:
+    """Copy ``src`` into ``dest_dir`` with outputs cleared, optionally keeping only the cells up
+    to the first code cell for which ``stop_after(source)`` is true, and appending ``extra_code``
+    as a last cell.  The committed notebook is never opened for writing."""
+    nb = nbformat.read(src, as_version=4)
+    cells = []
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+        cells.append(cell)
+        if stop_after is not None and cell.cell_type == "code" and stop_after(cell.source):
+            break
+    if extra_code is not None:
+        cells.append(nbformat.v4.new_code_cell(extra_code))
+    nb.cells = cells
+    nb.metadata.pop("widgets", None)
+    dest = dest_dir / src.name
+    nbformat.write(nb, dest)
+    return dest
+
+
+class JupyterLab:
+    """``with JupyterLab(root) as lab:`` -- a JupyterLab server on 127.0.0.1 with a random token,
+    serving ``root``, using this interpreter's kernel; ``lab.url(path)`` opens a file."""
+
+    def __init__(self, root: Path, startup_timeout: float = 90.0):
+        self.root = Path(root)
+        self.port = free_port()
+        self.token = secrets.token_hex(16)
+        self.startup_timeout = startup_timeout
+        self.proc: subprocess.Popen | None = None
+        self.home = self.root / ".jupyter-home"
+        self.log_path = self.root / "jupyterlab.log"
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def url(self, path: str) -> str:
+        return f"{self.base}/lab/tree/{path}?token={self.token}&reset"
+
+    def api(self, path: str, method: str = "GET"):
+        req = urllib.request.Request(f"{self.base}/api/{path}", method=method,
+                                     headers={"Authorization": f"token {self.token}"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            body = r.read()
+        return json.loads(body) if body else None
+
+    def __enter__(self) -> "JupyterLab":
+        self.home.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        env.update(
+            PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
+            JUPYTER_CONFIG_DIR=str(self.home / "config"),      # ignore the user's settings
+            JUPYTER_RUNTIME_DIR=str(self.home / "runtime"),
+            JUPYTERLAB_SETTINGS_DIR=str(self.home / "lab-settings"),
+            JUPYTERLAB_WORKSPACES_DIR=str(self.home / "lab-workspaces"),
+            IPYTHONDIR=str(self.home / "ipython"),
+            PYTHONHASHSEED="0",
+            MPLBACKEND="module://matplotlib_inline.backend_inline",
+        )
+        cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1",
+               f"--port={self.port}", "--port-retries=0", f"--ServerApp.root_dir={self.root}",
+               f"--IdentityProvider.token={self.token}", "--ServerApp.open_browser=False",
+               "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+               "--LabApp.news_url=", "--ServerApp.terminals_enabled=False"]
+        if hasattr(os, "geteuid") and os.geteuid() == 0:
+            cmd.append("--allow-root")  # containers often run as root
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, cwd=self.root, env=env, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self.__exit__(None, None, None)
+                raise RuntimeError(f"JupyterLab exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                self.api("status")
+                return self
+            except (urllib.error.URLError, ConnectionError, OSError):
+                time.sleep(0.5)
+        self.__exit__(None, None, None)
+        raise RuntimeError(f"JupyterLab did not answer within {self.startup_timeout:.0f} s:\n{self.log()}")
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text()[-4000:]
+        except OSError:
+            return ""
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:  # shut kernels down through the API first, so none outlives the server
+                for k in self.api("kernels") or []:
+                    self.api(f"kernels/{k['id']}", method="DELETE")
+            except Exception:  # noqa: BLE001 -- best effort; the signals below still apply
+                pass
+            self.proc.send_signal(signal.SIGTERM)   # by pid: the server we started
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # our own session: server + kernels
+                self.proc.wait(timeout=10)
+        self._log.close()
+        self.proc = None
+        shutil.rmtree(self.home, ignore_errors=True)
+
+
+def launch_chromium(playwright):
+    """Headless Debian Chromium through playwright (never a downloaded browser)."""
+    return playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)

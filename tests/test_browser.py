@@ -1,0 +1,133 @@
+"""Real browser: lesson 02's block-pool explorer works in JupyterLab, driven by headless Chromium.
+
+1. copy lesson 02 into a temporary directory (cells up to the ``PoolExplorer`` cell, plus one
+   cell that prints every frame's expected summary line), start JupyterLab on 127.0.0.1 there;
+2. open the copy in Debian's Chromium through playwright, Run > Run All Cells;
+3. wait for the widget, move its frame slider with the keyboard, and check that the summary
+   label now shows exactly the frame the slider's readout names (``PoolSnapshot.summary()``);
+4. save a screenshot to ``out/browser/lesson02.png``.
+
+Skips (with the reason) only when Chromium or playwright is missing; ``make test`` installs
+Chromium first (``scripts/ensure_chromium.sh``).
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.browser_helpers import CHROMIUM, REPO, JupyterLab, copy_notebook, launch_chromium
+
+pytestmark = [pytest.mark.browser, pytest.mark.model, pytest.mark.slow]
+
+LESSON = REPO / "course" / "02_paged_kv_cache.ipynb"
+SCREENSHOT = REPO / "out" / "browser" / "lesson02.png"
+SUMMARY_RE = re.compile(r"^step (\d+): used\[[^\]]*\] free=\d+ cached=\d+ running=\d+ waiting=\d+$")
+MARKER = "MINIKV-FRAMES"
+# Appended to the copy: the expected summary of every frame, computed by the same kernel.
+PROBE_CELL = ("import json\n"
+              f"print({MARKER!r}, json.dumps([s.summary() for s in explorer.snapshots]))")
+RUN_TIMEOUT_MS = 150_000
+
+
+def _requirements():
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"{CHROMIUM} is missing: install Debian's chromium (`make chromium` or "
+                    "`apt-get install chromium`) to run the browser tests")
+    try:
+        from playwright.sync_api import sync_playwright  # noqa: F401
+    except ImportError:
+        pytest.skip("the playwright python package is not installed (pip install playwright)")
+    try:
+        import jupyterlab  # noqa: F401
+    except ImportError:
+        pytest.skip("jupyterlab is not installed in this environment (pip install -e .[course])")
+    if not LESSON.exists():
+        pytest.fail(f"{LESSON.relative_to(REPO)} does not exist")
+
+
+def _uses_explorer(source: str) -> bool:
+    return "PoolExplorer(" in source
+
+
+def test_lesson02_pool_explorer_in_jupyterlab(tmp_path, smollm2_path):
+    _requirements()
+    from playwright.sync_api import sync_playwright
+
+    nb_src = LESSON.read_text()
+    assert "PoolExplorer(" in nb_src, "lesson 02 no longer builds a PoolExplorer"
+    # Cells after the explorer do not affect it; running them would only cost time.
+    copy = copy_notebook(LESSON, tmp_path, extra_code=PROBE_CELL, stop_after=_uses_explorer)
+
+    t0 = time.monotonic()
+    with JupyterLab(tmp_path) as lab, sync_playwright() as pw:
+        browser = launch_chromium(pw)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.set_default_timeout(60_000)
+            page.goto(lab.url(copy.name))
+            page.wait_for_selector(".jp-Notebook .jp-Cell", state="attached")
+            # the kernel is up when the toolbar's kernel status says idle
+            page.wait_for_selector(".jp-NotebookPanel .jp-Notebook-ExecutionIndicator[data-status='idle']",
+                                   state="attached", timeout=90_000)
+
+            # Run > Run All Cells, through the menu bar as a learner would
+            page.locator(".lm-MenuBar-item", has_text=re.compile(r"^Run$")).click()
+            page.locator(".lm-Menu-item:visible", has_text=re.compile(r"^Run All Cells")).first.click()
+
+            frames_out = page.locator(".jp-OutputArea-output", has_text=MARKER)
+            frames_out.wait_for(timeout=RUN_TIMEOUT_MS)
+            text = frames_out.inner_text()
+            frames = json.loads(text[text.index(MARKER) + len(MARKER):].strip())
+            assert len(frames) > 3, "lesson 02's explorer should have several frames"
+
+            summary = page.locator(".minikv-summary")
+            summary.wait_for(timeout=30_000)
+            before = summary.inner_text().strip()
+            assert before == frames[0], (before, frames[0])
+            assert SUMMARY_RE.match(before), before
+
+            # move the slider: focus its handle and press the right arrow a few times
+            slider = page.locator(".minikv-frame-slider")
+            handle = slider.locator(".noUi-handle").first
+            handle.scroll_into_view_if_needed()
+            handle.click()
+            presses = min(5, len(frames) - 1)
+            for _ in range(presses):
+                handle.press("ArrowRight")
+            page.wait_for_function(
+                "([sel, old]) => { const e = document.querySelector(sel);"
+                " return e && e.textContent.trim() !== old; }",
+                arg=[".minikv-summary", before], timeout=20_000)
+            readout = slider.locator(".widget-readout").first
+            page.wait_for_timeout(300)  # let the last key press reach the kernel and come back
+            frame = int(readout.inner_text().strip())
+            after = summary.inner_text().strip()
+
+            assert 0 < frame < len(frames)
+            assert after != before
+            m = SUMMARY_RE.match(after)
+            assert m, after
+            assert after == frames[frame], f"slider at frame {frame} but the view shows {after!r}"
+            # lesson 02 records one snapshot per engine step, starting from the empty pool
+            assert int(m.group(1)) == frame
+
+            SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+            page.locator(".minikv-pool-explorer").scroll_into_view_if_needed()
+            page.screenshot(path=str(SCREENSHOT))
+            shutil.copy(SCREENSHOT, tmp_path / SCREENSHOT.name)  # also kept with the test's tmp files
+        except Exception:
+            SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                page.screenshot(path=str(SCREENSHOT.with_name("lesson02-failure.png")))
+            except Exception:  # noqa: BLE001
+                pass
+            print(lab.log())
+            raise
+        finally:
+            browser.close()
+    assert time.monotonic() - t0 < 300

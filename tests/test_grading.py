@@ -1,0 +1,209 @@
+"""The graders of the exercises: each rejects the stub and every realistic mutant, and passes the
+reference solution; the committed exercises/ is exactly what solutions/ generates.
+
+The stubs are generated afresh from solutions/ into a temporary package (a learner who filled in
+exercises/ does not change what this test sees); ``test_exercises_are_in_sync`` is the one test
+that reads the committed exercises/.
+"""
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from minikv import UnsafeSettingWarning
+from minikv.grading import hashing, scrubbing
+from minikv.grading import mutants as M
+from minikv.grading._report import CheckFailed
+from minikv.grading.make_exercises import (EXERCISES, SOLUTIONS, MarkerError, generate, stale_files,
+                                           strip_solutions)
+from minikv.grading.runner import EXERCISES as GRADED
+from minikv.grading.runner import grade, summary_table
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _quiet_unsafe():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnsafeSettingWarning)
+        yield
+
+
+@pytest.fixture(scope="module")
+def stub_package(tmp_path_factory):
+    """exercises/ as generated from solutions/, importable as ``grading_stubs``."""
+    root = tmp_path_factory.mktemp("stubs")
+    pkg = root / "grading_stubs"
+    pkg.mkdir()
+    for name, text in generate().items():
+        (pkg / name).write_text(text, encoding="utf-8")
+    sys.path.insert(0, str(root))
+    try:
+        yield "grading_stubs"
+    finally:
+        sys.path.remove(str(root))
+        for mod in [m for m in sys.modules if m == "grading_stubs" or m.startswith("grading_stubs.")]:
+            del sys.modules[mod]
+
+
+def _extra(ex, package):
+    mod = importlib.import_module(f"{package}.{ex.module}")
+    return {k: getattr(mod, k) for k in ex.extra}
+
+
+IDS = [e.id for e in GRADED]
+BY_ID = {e.id: e for e in GRADED}
+
+
+# ------------------------------------------------------------------ solution / stub / mutants
+
+@pytest.mark.parametrize("ex_id", IDS)
+def test_solution_passes(ex_id, capsys):
+    ex = BY_ID[ex_id]
+    assert ex.check(ex.target("solutions"), **_extra(ex, "solutions")) is True
+    out = capsys.readouterr().out
+    assert out.startswith(f"✅ {ex.check.__name__} passed: "), out
+
+
+@pytest.mark.parametrize("ex_id", IDS)
+def test_stub_fails_as_not_implemented(ex_id, stub_package, capsys):
+    ex = BY_ID[ex_id]
+    assert ex.check(ex.target(stub_package), **_extra(ex, "solutions")) is False
+    out = capsys.readouterr().out
+    assert out.startswith(f"❌ {ex.check.__name__}: ") and "not implemented yet" in out, out
+    assert "Hint:" in out
+
+
+MUTANT_CASES = [(ex_id, name) for ex_id in IDS for name, _, _ in M.MUTANTS[ex_id]]
+
+
+def test_every_exercise_has_at_least_two_mutants():
+    assert set(M.MUTANTS) == set(IDS)
+    for ex_id, cases in M.MUTANTS.items():
+        assert len(cases) >= 2, ex_id
+        assert all(doc and doc.strip() for _, _, doc in cases), ex_id
+
+
+@pytest.mark.parametrize("ex_id, name", MUTANT_CASES, ids=[f"{e}-{n}" for e, n in MUTANT_CASES])
+def test_mutant_fails_with_a_hint(ex_id, name, capsys):
+    ex = BY_ID[ex_id]
+    impl = dict((n, i) for n, i, _ in M.MUTANTS[ex_id])[name]
+    assert ex.check(impl, **_extra(ex, "solutions")) is False
+    out = capsys.readouterr().out
+    assert out.startswith(f"❌ {ex.check.__name__} failed: "), out
+    assert "Hint:" in out and "not implemented" not in out
+
+
+# The engine runs must catch the isolation and lifecycle bugs on their own, not only the
+# direct-call checks that come first (a learner's bug may slip past those).
+S = hashing.ENGINE_SECRET
+ENGINE_STAGE_MUTANTS = {
+    "hasher ignores tenant key": lambda: hashing.engine_stage_hasher(M.hash_ignores_tenant, "sha256"),
+    "hasher unchained": lambda: hashing.engine_stage_hasher(M.hash_unchained, "sha256"),
+    "keyed first block only": lambda: hashing.engine_stage_hasher(M.KeyedFirstBlockOnly(S), "hmac-sha256"),
+    "keyed salt never used": lambda: hashing.engine_stage_hasher(M.KeyedSaltNeverUsed(S), "hmac-sha256"),
+    "derive None == ''": lambda: hashing.engine_stage_key_derivation(M.derive_none_is_empty),
+    **{f"block_keys {n}": (lambda i=i: hashing.engine_stage_block_keys(i)) for n, i, _ in M.MUTANTS["2c"]},
+    **{f"scrubber {n}": (lambda i=i: scrubbing.engine_stage(i)) for n, i, _ in M.MUTANTS["3b"]},
+}
+
+
+@pytest.mark.parametrize("name", list(ENGINE_STAGE_MUTANTS))
+def test_engine_stage_alone_catches(name):
+    with pytest.raises(CheckFailed):
+        ENGINE_STAGE_MUTANTS[name]()
+
+
+def test_engine_stages_pass_the_solutions():
+    from solutions.ex1_chained_hash import chained_block_hash
+    from solutions.ex2_tenant_keys import TenantKeyedHasher, block_keys, derive_tenant_key
+    from solutions.ex3_scrubbing import ScrubOnAlloc
+
+    from minikv.security.scrub import ScrubOnFree
+    hashing.engine_stage_hasher(chained_block_hash, "sha256")
+    hashing.engine_stage_hasher(TenantKeyedHasher(S), "hmac-sha256")
+    hashing.engine_stage_key_derivation(derive_tenant_key)
+    hashing.engine_stage_block_keys(block_keys)
+    cached, _ = scrubbing.engine_stage(ScrubOnAlloc)
+    assert sum(cached) > 0, "the scrubber workload must include cache hits"
+    scrubbing.engine_stage(ScrubOnFree)  # the other correct lifecycle point passes too
+
+
+# ------------------------------------------------------------------ generator and runner
+
+def test_exercises_are_in_sync():
+    stale = stale_files()
+    assert not stale, (f"exercises/ differs from what solutions/ generates: {stale}. Maintainers: run "
+                       "`python -m minikv.grading.make_exercises`. (A learner who edited exercises/ sees this "
+                       "failure by design; use `make grade` instead.)")
+
+
+def test_generator_check_mode_exit_status(tmp_path, capsys):
+    from minikv.grading.make_exercises import main, write
+    assert main(["--check"]) == 0
+    write(tmp_path)
+    assert stale_files(tmp_path) == []
+    (tmp_path / "ex1_chained_hash.py").write_text("# edited\n")
+    assert stale_files(tmp_path) == ["ex1_chained_hash.py"]
+
+
+def test_every_solution_region_becomes_a_stub():
+    for path in sorted(SOLUTIONS.glob("ex*.py")):
+        source = path.read_text(encoding="utf-8")
+        stub = strip_solutions(source)
+        assert source.count("# BEGIN SOLUTION") == stub.count("raise NotImplementedError(") > 0, path.name
+        assert "# BEGIN SOLUTION" not in stub and "# END SOLUTION" not in stub
+        compile(stub, path.name, "exec")
+    assert (EXERCISES / "grade.py").read_text().endswith((SOLUTIONS / "grade.py").read_text())
+
+
+def test_strip_solutions_rules():
+    src = ("def f(x):\n    \"\"\"doc\"\"\"\n    # BEGIN SOLUTION\n    return x\n\n\ndef _helper():\n    pass\n"
+           "    # END SOLUTION\n\n\nclass C:\n    def m(self):\n        # BEGIN SOLUTION\n        return 1\n"
+           "        # END SOLUTION\n# BEGIN SOLUTION\nSECRET = 1\n# END SOLUTION\n")
+    out = strip_solutions(src)
+    assert 'raise NotImplementedError("f: ' in out and "_helper" not in out
+    assert 'raise NotImplementedError("C.m: ' in out and "SECRET" not in out
+    for bad in ("    # BEGIN SOLUTION\n    x\n", "    # END SOLUTION\n", "# BEGIN SOLUTION\n  # END SOLUTION\n",
+                "x = 1  # BEGIN SOLUTION\n"):
+        with pytest.raises(MarkerError):
+            strip_solutions(bad)
+
+
+def test_runner_table_and_exit_status(stub_package, capsys):
+    from minikv.grading.runner import main
+    assert main("solutions", ["5", "4a"]) == 0
+    assert main(stub_package, ["4a"]) == 1
+    out = capsys.readouterr().out
+    assert "3/3 exercises pass" in out and "0/1 exercises pass" in out
+    assert grade(stub_package, ["1a"], quiet=True) == {"1a": False}
+    assert "❌ FAIL" in summary_table({"1a": False}) and "✅ pass" in summary_table({"1a": True})
+
+
+def test_make_grade_entry_point_runs_as_a_module():
+    """`make grade` runs `python -m exercises.grade`: it must import and print the table (the
+    committed stubs fail, so the exit status is 1 unless a learner has solved 4a)."""
+    done = subprocess.run([sys.executable, "-m", "exercises.grade", "4a"], cwd=ROOT, capture_output=True, text=True)
+    assert "grading exercises/" in done.stdout and "1 exercises pass" in done.stdout, done.stdout + done.stderr
+    assert done.returncode == (0 if "1/1 exercises pass" in done.stdout else 1)
+
+
+def test_a_broken_exercise_module_is_reported_and_the_rest_still_run(tmp_path, capsys):
+    pkg = tmp_path / "broken_ex"
+    pkg.mkdir()
+    for name, text in generate().items():
+        (pkg / name).write_text(text, encoding="utf-8")
+    (pkg / "ex5_timing_stats.py").write_text("def broken(:\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        results = grade("broken_ex", ["5a", "4a"])
+    finally:
+        sys.path.remove(str(tmp_path))
+    out = capsys.readouterr().out
+    assert results == {"4a": False, "5a": False}
+    assert "cannot import broken_ex.ex5_timing_stats" in out and "SyntaxError" in out

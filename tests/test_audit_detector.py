@@ -152,3 +152,13 @@ def test_load_trail_roundtrip_and_errors(tmp_path):
 def test_threshold_validated():
     with pytest.raises(ValueError):
         detect([], threshold=1)
+
+
+def test_long_decoy_request_does_not_hide_the_probes():
+    """One long request sharing the probed prefix used to cancel the whole group."""
+    rng, tr = random.Random(5), Trail()
+    known = SYSTEM + words(rng, 10)
+    probe_ids = [tr.request("mallory", known + [cand]) for cand in range(12)]
+    tr.request("mallory", known + words(rng, 5 * BS))  # a decoy that runs far past the prefix
+    found = [f for f in detect(tr.events) if f.kind == "probing"]
+    assert len(found) == 1 and set(found[0].request_ids) == set(probe_ids)

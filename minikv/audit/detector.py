@@ -128,12 +128,15 @@ def _probing(requests: list[dict], threshold: int, block_size: int) -> list[Find
         for (depth, fp), idx in sorted(groups.items(), key=lambda kv: -kv[0][0]):
             if len(idx) < threshold or flagged.intersection(idx):
                 continue
-            members = [reqs[i] for i in idx]
-            lengths = [m.get("num_prompt_tokens", 0) for m in members]
-            if max(len(m["prefix_fps"]) for m in members) > depth + 1:
-                continue  # requests continue well past the shared prefix: not "next tokens"
-            if max(lengths) - min(lengths) > block_size:
+            # Keep only requests that end within a block of the shared prefix ("next tokens"),
+            # then the largest group of them with near-identical lengths.  Dropping outliers,
+            # rather than the whole group, means one long decoy request cannot hide the probes.
+            members = [reqs[i] for i in idx if len(reqs[i].get("prefix_fps") or ()) <= depth + 1]
+            members = _length_cluster(members, block_size)
+            if len(members) < threshold:
                 continue
+            idx = [i for i in idx if reqs[i] in members]
+            lengths = [m.get("num_prompt_tokens", 0) for m in members]
             distinct = len({m.get("tail_fp") for m in members})
             if distinct < threshold:
                 continue
@@ -147,6 +150,18 @@ def _probing(requests: list[dict], threshold: int, block_size: int) -> list[Find
                 f"only in the next tokens, lengths {min(lengths)}-{max(lengths)} tokens{also}",
                 tuple(str(m.get("request_id")) for m in members)))
     return out
+
+
+def _length_cluster(members: list[dict], block_size: int) -> list[dict]:
+    """The largest subset whose prompt lengths fit in one ``block_size`` window."""
+    ordered = sorted(members, key=lambda m: m.get("num_prompt_tokens", 0))
+    best, lo = [], 0
+    for hi in range(len(ordered)):
+        while ordered[hi].get("num_prompt_tokens", 0) - ordered[lo].get("num_prompt_tokens", 0) > block_size:
+            lo += 1
+        if hi - lo + 1 > len(best):
+            best = ordered[lo:hi + 1]
+    return best
 
 
 def detect(events: Iterable[dict], threshold: int = 8, block_size: int | None = None) -> list[Finding]:

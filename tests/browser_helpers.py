@@ -79,12 +79,31 @@ class JupyterLab:
     def url(self, path: str) -> str:
         return f"{self.base}/lab/tree/{path}?token={self.token}&reset"
 
-    def api(self, path: str, method: str = "GET"):
-        req = urllib.request.Request(f"{self.base}/api/{path}", method=method,
-                                     headers={"Authorization": f"token {self.token}"})
-        with urllib.request.urlopen(req, timeout=10) as r:
-            body = r.read()
-        return json.loads(body) if body else None
+    def api(self, path: str, method: str = "GET", body: dict | None = None):
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(f"{self.base}/api/{path}", method=method, data=data,
+                                     headers={"Authorization": f"token {self.token}",
+                                              "Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            out = r.read()
+        return json.loads(out) if out else None
+
+    def start_kernel_for(self, path: str) -> str:
+        """Start the notebook's kernel through the REST API (a session, as JupyterLab would), so
+        that JupyterLab attaches to it instead of asking which kernel to use.  Returns its id."""
+        session = self.api("sessions", "POST", {"path": path, "name": path, "type": "notebook",
+                                                "kernel": {"name": "python3"}})
+        return session["kernel"]["id"]
+
+    def wait_kernel_idle(self, kernel_id: str, timeout: float = 90.0) -> None:
+        """Wait until the server has seen the kernel go idle (it stays "starting" until a client
+        such as the browser sends its first request)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.api(f"kernels/{kernel_id}").get("execution_state") == "idle":
+                return
+            time.sleep(0.5)
+        raise RuntimeError(f"the kernel did not become idle within {timeout:.0f} s:\n{self.log()}")
 
     def __enter__(self) -> "JupyterLab":
         self.home.mkdir(parents=True, exist_ok=True)
@@ -98,12 +117,13 @@ class JupyterLab:
             IPYTHONDIR=str(self.home / "ipython"),
             PYTHONHASHSEED="0",
             MPLBACKEND="module://matplotlib_inline.backend_inline",
+            OMP_NUM_THREADS="1",   # one torch thread per kernel: far steadier on a shared CPU
         )
         cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--ip=127.0.0.1",
                f"--port={self.port}", "--port-retries=0", f"--ServerApp.root_dir={self.root}",
                f"--IdentityProvider.token={self.token}", "--ServerApp.open_browser=False",
                "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
-               "--LabApp.news_url=", "--ServerApp.terminals_enabled=False"]
+               "--LabApp.news_url=None", "--ServerApp.terminals_enabled=False"]
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             cmd.append("--allow-root")  # containers often run as root
         self._log = open(self.log_path, "w")

@@ -50,6 +50,23 @@ def _requirements():
         pytest.fail(f"{LESSON.relative_to(REPO)} does not exist")
 
 
+def _accept_kernel_dialog(page) -> None:
+    """If JupyterLab still asks which kernel to use, keep its (preselected) Python 3."""
+    dialog = page.locator(".jp-Dialog")
+    try:
+        dialog.wait_for(timeout=3_000)
+    except Exception:  # noqa: BLE001 -- no dialog: the kernel was attached directly
+        return
+    dialog.locator(".jp-Dialog-button.jp-mod-accept").click()
+
+
+def _dismiss_news_toast(page) -> None:
+    """JupyterLab asks once whether to fetch Jupyter news; answer no (nothing is fetched)."""
+    button = page.locator(".jp-toast-button", has_text=re.compile(r"^No$"))
+    if button.count():
+        button.first.click()
+
+
 def _uses_explorer(source: str) -> bool:
     return "PoolExplorer(" in source
 
@@ -69,11 +86,11 @@ def test_lesson02_pool_explorer_in_jupyterlab(tmp_path, smollm2_path):
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.set_default_timeout(60_000)
+            kernel_id = lab.start_kernel_for(copy.name)
             page.goto(lab.url(copy.name))
             page.wait_for_selector(".jp-Notebook .jp-Cell", state="attached")
-            # the kernel is up when the toolbar's kernel status says idle
-            page.wait_for_selector(".jp-NotebookPanel .jp-Notebook-ExecutionIndicator[data-status='idle']",
-                                   state="attached", timeout=90_000)
+            _accept_kernel_dialog(page)
+            lab.wait_kernel_idle(kernel_id)       # the browser is connected and the kernel answers
 
             # Run > Run All Cells, through the menu bar as a learner would
             page.locator(".lm-MenuBar-item", has_text=re.compile(r"^Run$")).click()
@@ -81,12 +98,16 @@ def test_lesson02_pool_explorer_in_jupyterlab(tmp_path, smollm2_path):
 
             frames_out = page.locator(".jp-OutputArea-output", has_text=MARKER)
             frames_out.wait_for(timeout=RUN_TIMEOUT_MS)
+            print(f"[browser] lesson 02 ran in the browser after {time.monotonic() - t0:.0f} s")
             text = frames_out.inner_text()
             frames = json.loads(text[text.index(MARKER) + len(MARKER):].strip())
             assert len(frames) > 3, "lesson 02's explorer should have several frames"
 
             summary = page.locator(".minikv-summary")
             summary.wait_for(timeout=30_000)
+            _dismiss_news_toast(page)
+            image = page.locator(".minikv-pool-image").first
+            image_before = image.get_attribute("src")
             before = summary.inner_text().strip()
             assert before == frames[0], (before, frames[0])
             assert SUMMARY_RE.match(before), before
@@ -103,18 +124,33 @@ def test_lesson02_pool_explorer_in_jupyterlab(tmp_path, smollm2_path):
                 "([sel, old]) => { const e = document.querySelector(sel);"
                 " return e && e.textContent.trim() !== old; }",
                 arg=[".minikv-summary", before], timeout=20_000)
-            readout = slider.locator(".widget-readout").first
-            page.wait_for_timeout(300)  # let the last key press reach the kernel and come back
-            frame = int(readout.inner_text().strip())
+            frame = int(slider.locator(".widget-readout").first.inner_text().strip())
+            assert 0 < frame < len(frames)
+            # each key press is a round trip to the kernel, which renders that frame; wait for the
+            # view to catch up with the slider
+            try:
+                page.wait_for_function(
+                    "([sel, want]) => { const e = document.querySelector(sel);"
+                    " return e && e.textContent.trim() === want; }",
+                    arg=[".minikv-summary", frames[frame]], timeout=60_000)
+            except Exception:  # noqa: BLE001 -- report what the view shows instead
+                pass
             after = summary.inner_text().strip()
 
-            assert 0 < frame < len(frames)
             assert after != before
             m = SUMMARY_RE.match(after)
             assert m, after
             assert after == frames[frame], f"slider at frame {frame} but the view shows {after!r}"
             # lesson 02 records one snapshot per engine step, starting from the empty pool
             assert int(m.group(1)) == frame
+
+            # the picture follows the label in the same kernel round trip: wait for it too
+            lab.wait_kernel_idle(kernel_id)
+            page.wait_for_function(
+                "([sel, old]) => { const e = document.querySelector(sel);"
+                " return e && e.getAttribute('src') !== old; }",
+                arg=[".minikv-pool-image", image_before], timeout=20_000)
+            page.wait_for_timeout(500)
 
             SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
             page.locator(".minikv-pool-explorer").scroll_into_view_if_needed()
@@ -130,4 +166,6 @@ def test_lesson02_pool_explorer_in_jupyterlab(tmp_path, smollm2_path):
             raise
         finally:
             browser.close()
-    assert time.monotonic() - t0 < 300
+    elapsed = time.monotonic() - t0
+    print(f"[browser] done in {elapsed:.0f} s; screenshot: {SCREENSHOT.relative_to(REPO)}")
+    assert elapsed < 300

@@ -12,9 +12,9 @@ the eviction side channel survives per-tenant keys unless quotas partition the p
                       num_blocks=64, engine_secret=b"operator secret, 16+ bytes")
     resp = fleet.submit("Hello", tenant="alice")       # resp.instance, resp.num_cached_tokens
 """
-from minikv.edge.router import (EdgeFleet, EdgeInstance, EdgeResponse, PrefixAffinityRouter,
-                                RoundRobinRouter, bracket_verdict, merge_trails, prime_and_probe,
-                                shared_weights_engine)
+from minikv.edge.fleet import EdgeFleet, merge_trails, prime_and_probe
+from minikv.edge.instance import EdgeInstance, EdgeResponse, shared_weights_engine
+from minikv.edge.router import PrefixAffinityRouter, RoundRobinRouter, bracket_verdict
 
 __all__ = ["EdgeFleet", "EdgeInstance", "EdgeResponse", "PrefixAffinityRouter", "RoundRobinRouter",
            "bracket_verdict", "merge_trails", "prime_and_probe", "shared_weights_engine"]

@@ -33,11 +33,15 @@ from .sequence import Sequence, SequenceStatus
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, **kwargs):
+    def __init__(self, config: EngineConfig | None = None, *, weights: tuple | None = None, **kwargs):
+        """``weights=(model, tokenizer, hf_config)`` reuses another engine's loaded (read-only)
+        weights instead of reading the checkpoint: several engines, one copy of the model."""
         self.config = c = config if config is not None else EngineConfig(**kwargs)
         self.device = torch.device(c.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = resolve_dtype(c.dtype, self.device)
-        self.model, self.tokenizer, self.hf_config = load_model(resolve_model(c.model), self.dtype, self.device)
+        if weights is None:
+            weights = load_model(resolve_model(c.model), self.dtype, self.device)
+        self.model, self.tokenizer, self.hf_config = weights
         s = self.model.shape
         self.block_size = c.block_size
         self.max_model_len = min(c.max_model_len or s.max_position, s.max_position)
@@ -60,7 +64,7 @@ class LLMEngine:
             self.audit = AuditTrail(c.audit_log, derive_operator_key(self._secret), c.block_size)
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens)
         self._tenant_keys: dict[str | None, bytes] = {}
-        self._shared_prefixes = [self._encode_prompt(p)[0] for p in c.shared_prefixes]
+        self._shared_prefixes = [self.encode_prompt(p)[0] for p in c.shared_prefixes]
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._rng = torch.Generator().manual_seed(c.seed)
@@ -94,7 +98,8 @@ class LLMEngine:
         return str(next(self._ids))
 
     # ------------------------------------------------------------------ requests
-    def _encode_prompt(self, prompt) -> tuple[list[int], str | None]:
+    def encode_prompt(self, prompt) -> tuple[list[int], str | None]:
+        """Token ids (validated against the vocabulary) and text of a str or token-id prompt."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty ('')")
@@ -117,7 +122,7 @@ class LLMEngine:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        ids, text = self._encode_prompt(prompt)
+        ids, text = self.encode_prompt(prompt)
         if not ids:
             raise ValueError("prompt is empty (no tokens)")
         if len(ids) >= self.max_model_len:
@@ -271,7 +276,7 @@ class LLMEngine:
         """Logits at every position of ``token_ids`` ([T, vocab], fp32), computed through the
         same paged path as a prefill; the blocks are borrowed from the pool and returned.
         Lessons use it to let the model rank candidates; tests compare it with transformers."""
-        ids, _ = self._encode_prompt(list(token_ids))
+        ids, _ = self.encode_prompt(list(token_ids))
         seq = Sequence(f"score-{self.new_request_id()}", ids, SamplingParams(max_tokens=1), cacheable=False)
         if not self.block_manager.allocate(seq):
             raise RuntimeError("the pool has no room to score this sequence now")

@@ -53,8 +53,9 @@ PROBE_PARAMS = SamplingParams(max_tokens=1, temperature=0.0)
 def rank_candidates(engine, prefix_ids: Sequence[int], k: int) -> list[int]:
     """The model's ``k`` most likely next tokens after ``prefix_ids``, most likely first.
 
-    Uses ``engine.score`` (an uncached forward pass on borrowed blocks): it never reads or writes
-    the prefix cache, so it stands for the attacker running its own copy of an open model.
+    Uses ``engine.score`` (an uncached forward pass on borrowed blocks), which stands for the
+    attacker running its own copy of an open model: it never looks up or stores cache entries
+    (give the engine free blocks to spare, or borrowing may evict the LRU cached block).
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
@@ -135,6 +136,11 @@ def recover_secret_by_count(llm, known_prefix_ids: Sequence[int], secret_len: in
     block can only be hit when something follows it) and probe.  A hit covers the whole block:
     ``num_cached_tokens >= block_end``.  If no filling hits (the secret is not in the model's
     top-k, or the cache is isolated), the search stops and returns what it has.
+
+    ``ranker`` maps a prefix to candidate tokens, best first (default: ``ModelRanker(engine, k)``;
+    pass one ranker to several runs to share its memo).  One search never repeats a probe, but a
+    *second* search on the same engine would hit the first one's entries (self-priming): call
+    :func:`forget_tenant_blocks` for the attacker in between.
     """
     bs = llm.engine.block_size
     rank = ranker if ranker is not None else ModelRanker(llm.engine, k)
@@ -183,13 +189,9 @@ def forget_tenant_blocks(llm, tenant: str | None) -> int:
     """Lab instrument: evict every cached, unused block that ``tenant`` wrote; return how many.
 
     Models the attacker's cold probe entries ageing out of the LRU while the victim's hot blocks
-    stay cached.  minikv has no public eviction call yet, so this uses the block manager's own
-    eviction routine (which also runs the scrub hooks and the audit trail)."""
-    bm = llm.engine.block_manager
-    victims = [b for b in bm.cached_free if bm.blocks[b].writer_tenant == tenant]
-    for bid in victims:
-        bm._evict(bid, None)
-    return len(victims)
+    stay cached.  Uses the engine's ``reset_prefix_cache(tenant)`` (which also runs the scrub
+    hooks and the audit trail)."""
+    return llm.engine.reset_prefix_cache(tenant)
 
 
 def timing_rounds(llm, probes: Sequence[Sequence[int]], *, rounds: int,

@@ -7,7 +7,6 @@ pool, because a node that is recycled must not leave one tenant's K/V for the ne
 """
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -36,14 +35,8 @@ def shared_weights_engine(weights, **overrides) -> LLMEngine:
     The new engine owns its KV pool, block manager, scheduler, tenant keys and audit trail;
     only the (read-only) weights are shared.  ``engine.model is donor.model`` holds.
     """
-    donor = _engine_of(weights)
     overrides.setdefault("audit_log", None)
-    for fixed in ("model", "device", "dtype"):
-        if fixed in overrides:
-            raise ValueError(f"{fixed!r} cannot be overridden: a shared-weights engine uses the donor's")
-    cfg = dataclasses.replace(donor.config, model=donor.config.model, device=str(donor.device),
-                              dtype=donor.dtype, **overrides)
-    return LLMEngine(cfg, weights=(donor.model, donor.tokenizer, donor.hf_config))
+    return _engine_of(weights).fork(**overrides)
 
 
 # --------------------------------------------------------------------------- one instance

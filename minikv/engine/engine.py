@@ -11,6 +11,7 @@ blocks are hashed in (``_new_sequence``), the *scrub hooks* run on block lifecyc
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
@@ -93,6 +94,24 @@ class LLMEngine:
         if tenant not in self._tenant_keys:
             self._tenant_keys[tenant] = derive_tenant_key(self._secret, tenant)
         return self._tenant_keys[tenant]
+
+    def fork(self, **overrides) -> "LLMEngine":
+        """A new engine with its own pool, scheduler, keys and trail, sharing this one's weights.
+        ``overrides`` are :class:`EngineConfig` fields; the weights fix model, device and dtype."""
+        for fixed in ("model", "device", "dtype"):
+            if fixed in overrides:
+                raise ValueError(f"{fixed!r} cannot be overridden: a fork shares the parent's weights")
+        cfg = dataclasses.replace(self.config, device=str(self.device), dtype=self.dtype, **overrides)
+        return LLMEngine(cfg, weights=(self.model, self.tokenizer, self.hf_config))
+
+    def reset_prefix_cache(self, tenant: str | None = ..., ) -> int:
+        """Evict every cached, unreferenced block (or only those written by ``tenant``), as
+        vLLM's ``reset_prefix_cache`` does.  Returns how many blocks were evicted."""
+        bm = self.block_manager
+        ids = [b for b in bm.cached_free if tenant is ... or bm.blocks[b].writer_tenant == tenant]
+        for bid in ids:
+            bm._evict(bid, None)
+        return len(ids)
 
     def new_request_id(self) -> str:
         return str(next(self._ids))

@@ -39,6 +39,13 @@ class LLM:
     def __init__(self, model: str = "smollm2-135m-instruct", **kwargs):
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
 
+    def fork(self, **overrides) -> "LLM":
+        """Another LLM with its own KV pool and settings that shares this one's weights (no
+        reload): cheap side-by-side comparisons of cache policies in a lesson."""
+        new = LLM.__new__(LLM)
+        new.engine = self.engine.fork(**overrides)
+        return new
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 

@@ -22,7 +22,11 @@ BS = 16
 def make_llm(path, scrub="none", **kw) -> LLM:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnsafeSettingWarning)
-        return LLM(str(path), block_size=BS, scrub=scrub, seed=0, **kw)
+        llm = LLM(str(path), block_size=BS, scrub=scrub, seed=0, **kw)
+    # scrub="none" allocates the pool with torch.empty: start from zeros so that slots nobody wrote
+    # read the same in every run (the experiments below compare runs bit for bit)
+    llm.engine.pool.zero_blocks(list(range(llm.engine.num_blocks)))
+    return llm
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +69,18 @@ def test_inversion_recovers_tokens_and_positions_exactly(tiny_path, tiny_table):
     ids, pos = invert_layer0(k[perm], tiny_table, "k", return_positions=True)
     tok = llm.get_tokenizer()
     assert render_tokens(tok, ids, pos) == tok.decode(written)
+
+
+def test_inversion_works_on_a_bf16_pool(tiny_path):
+    """GPUs serve in bf16: rounding is coarser, the default tolerance follows the dtype."""
+    llm = make_llm(tiny_path, num_blocks=8, dtype="bfloat16")
+    table = layer0_kv_table(llm.engine.model)
+    written = run_victim(llm, victim_prompt("4471"))
+    k, v = read_slots(llm.engine.pool, [(p // BS, p % BS) for p in range(len(written))])
+    assert k.dtype == torch.bfloat16
+    assert invert_layer0(v, table, "v").tolist() == written
+    ids, pos = invert_layer0(k, table, "k", return_positions=True)
+    assert ids.tolist() == written and pos.tolist() == list(range(len(written)))
 
 
 def test_inversion_rejects_zeros_noise_and_bad_shapes(tiny_table):

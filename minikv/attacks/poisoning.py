@@ -22,7 +22,7 @@ block whose tokens or context differ, and different logits.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -191,11 +191,11 @@ def contamination_demo(engine, first_a: list[int], first_b: list[int], shared: l
     """Three requests: a writer caches ``shared`` after ``first_a``; an earlier request caches
     ``first_b``; the victim sends ``first_b + shared + tail``.
 
-    ``first_a`` and ``first_b`` must be exactly one block each, ``shared`` one or more whole blocks.  With content-only keys
-    the victim's lookup hits ``first_b`` (correct: a first block has no context) and then
-    ``shared`` -- computed after ``first_a``.  ``tenants`` = (writer, earlier, victim).
-    ``reference``: the victim's cache-off ``(tokens, logits)`` from :func:`reference_greedy`
-    (computed here when None).
+    ``first_a`` and ``first_b`` must be exactly one block each, ``shared`` one or more whole
+    blocks.  With content-only keys the victim's lookup hits ``first_b`` (correct: a first block
+    has no context) and then ``shared`` -- computed after ``first_a``.
+    ``tenants`` = (writer, earlier, victim).  ``reference``: the victim's cache-off
+    ``(tokens, logits)`` from :func:`reference_greedy` (computed here when None).
     """
     bs = engine.block_size
     for name, blk in (("first_a", first_a), ("first_b", first_b)):

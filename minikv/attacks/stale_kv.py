@@ -146,6 +146,42 @@ def _rotation_scores(obs: torch.Tensor, raw: torch.Tensor, table: Layer0Table,
     return table.rope_scale * (c @ ang.cos().T + s @ ang.sin().T)  # [N, P]
 
 
+_K_CHUNK = 512
+
+
+def _rotate(raw: torch.Tensor, positions: torch.Tensor, table: Layer0Table) -> torch.Tensor:
+    """RoPE of un-rotated keys ``raw`` [N, H, D] at ``positions`` [N], exactly as the model does."""
+    freqs = positions.float()[:, None] * table.inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = (emb.cos() * table.rope_scale)[:, None, :], (emb.sin() * table.rope_scale)[:, None, :]
+    return apply_rotary(raw, cos, sin)
+
+
+def _invert_k(x: torch.Tensor, table: Layer0Table, tol: float, p_max: int,
+              candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n = x.shape[0]
+    # 1. RoPE only rotates pairs: their lengths identify the token whatever the position.
+    _, cand = _nearest(_pair_lengths(x), table.k_sig, min(candidates, table.vocab_size))
+    positions = torch.arange(p_max)
+    best = torch.full((n,), float("-inf"))
+    ids = torch.full((n,), NO_TOKEN, dtype=torch.long)
+    pos = torch.full((n,), NO_TOKEN, dtype=torch.long)
+    for j in range(cand.shape[1]):
+        raw = table.k[cand[:, j]]  # [N, H, D]
+        # 2. Exhaustive position search, as one matmul: |R_p a - b|^2 = |a'|^2 + |b|^2 - 2 <R_p a, b>,
+        # so the best position maximises <R_p a, b> minus the (position-free) |a'|^2 / 2.
+        score, p = _rotation_scores(x, raw, table, positions).max(dim=1)
+        score = score - 0.5 * table.rope_scale ** 2 * (raw * raw).flatten(1).sum(1)
+        better = score > best
+        best[better], ids[better], pos[better] = score[better], cand[better, j], p[better]
+    # 3. Verify each answer directly (no cancellation-prone expansion): rotate and compare.
+    found = ids >= 0
+    match = _rotate(table.k[ids.clamp_min(0)], pos.clamp_min(0), table)
+    ok = found & ((x - match).flatten(1).norm(dim=1) <= tol * match.flatten(1).norm(dim=1).clamp_min(1e-12))
+    ids[~ok], pos[~ok] = NO_TOKEN, NO_TOKEN
+    return ids, pos
+
+
 @torch.inference_mode()
 def invert_layer0(slots: torch.Tensor, table: Layer0Table, kind: str = "v", *, tol: float | None = None,
                   max_position: int | None = None, candidates: int = 4,
@@ -177,29 +213,15 @@ def invert_layer0(slots: torch.Tensor, table: Layer0Table, kind: str = "v", *, t
     if n == 0:
         return (ids, pos) if return_positions else ids
     if kind == "v":
-        flat = x.flatten(1)
-        dist, idx = _nearest(flat, table.v, 1)
-        ref = table.v[idx[:, 0]].norm(dim=1).clamp_min(1e-12)
-        ok = dist[:, 0].sqrt() <= tol * ref
+        _, idx = _nearest(x.flatten(1), table.v, 1)
+        match = table.v[idx[:, 0]]
+        ok = (x.flatten(1) - match).norm(dim=1) <= tol * match.norm(dim=1).clamp_min(1e-12)
         ids[ok] = idx[ok, 0]
     elif kind == "k":
-        # 1. RoPE only rotates pairs: their lengths identify the token whatever the position.
-        _, cand = _nearest(_pair_lengths(x), table.k_sig, min(candidates, table.vocab_size))
         p_max = int(max_position or table.max_position)
-        positions = torch.arange(p_max)
-        best_res = torch.full((n,), float("inf"))
-        obs_sq = (x * x).flatten(1).sum(1)
-        for j in range(cand.shape[1]):
-            raw = table.k[cand[:, j]]  # [N, H, D]
-            # 2. Exhaustive position search: |R_p a - b|^2 = |R_p a|^2 + |b|^2 - 2 <R_p a, b>.
-            scores = _rotation_scores(x, raw, table, positions)
-            best_score, best_p = scores.max(dim=1)
-            res = obs_sq + (table.rope_scale ** 2) * (raw * raw).flatten(1).sum(1) - 2 * best_score
-            better = res < best_res
-            best_res[better], ids[better], pos[better] = res[better], cand[better, j], best_p[better]
-        ref = (table.rope_scale * table.k[ids.clamp_min(0)].flatten(1).norm(dim=1)).clamp_min(1e-12)
-        ok = torch.isfinite(best_res) & (best_res.clamp_min(0).sqrt() <= tol * ref)
-        ids[~ok], pos[~ok] = NO_TOKEN, NO_TOKEN
+        for start in range(0, n, _K_CHUNK):  # bounds the [slots, positions] score matrix
+            sl = slice(start, start + _K_CHUNK)
+            ids[sl], pos[sl] = _invert_k(x[sl], table, tol, p_max, candidates)
     else:
         raise ValueError(f"kind must be 'k' or 'v', got {kind!r}")
     return (ids, pos) if return_positions else ids
@@ -268,7 +290,11 @@ class StaleRead:
 @dataclass
 class StaleReadRecorder:
     """Records, for every decode step run under the bug, the slots past each sequence's length
-    that attention consumed, with the layer-0 K/V bytes found there."""
+    that attention consumed, with the layer-0 K/V bytes found there.
+
+    Decode rows are matched to requests through the scheduler's running list (decodes come first,
+    in order), which holds for every step without a preemption -- the lessons' setting.
+    """
 
     engine: object
     reads: list[StaleRead] = field(default_factory=list)

@@ -11,8 +11,8 @@ where such directories come from:
   (never install it), check its pinned sha256, pull the GGUF out with :mod:`zipfile`,
   let transformers de-quantize it, and save a plain fp32 safetensors checkpoint.
 * ``"tiny-random"`` -- a 2-layer random-weight Llama with a byte-level tokenizer,
-  built locally in about a second. Tests use it: same shapes of problems (GQA, chat
-  template, eos handling), none of the download.
+  built locally in about a second (recipe: :mod:`minikv.models.tiny`). Tests use it:
+  same shapes of problems (GQA, chat template, eos handling), none of the download.
 * any existing directory path -- returned as-is once it has a ``config.json``.
 
 Built models live under ``$MINIKV_HOME/models/<name>/`` (default ``~/.cache/minikv``).
@@ -32,8 +32,11 @@ import shutil
 import subprocess
 import sys
 import zipfile
-import zlib
 from pathlib import Path
+
+# The tiny-random recipe; its tokenizer names are re-exported (they used to live here).
+from .tiny import (CHATML_TEMPLATE, SPECIAL_TOKENS, build_tiny, build_tiny_tokenizer,  # noqa: F401
+                   byte_to_unicode)
 
 try:  # POSIX only; elsewhere concurrent fetches fall back to "last rename wins".
     import fcntl
@@ -58,14 +61,6 @@ RECIPES = {"smollm2-135m-instruct": "smollm2-fp32-v1", "tiny-random": "tiny-rand
 ALIASES = {"smollm2-135m-instruct": "smollm2-135m-instruct",
            "huggingfacetb/smollm2-135m-instruct": "smollm2-135m-instruct",
            "smollm2": "smollm2-135m-instruct", "tiny-random": "tiny-random"}
-
-# Both models speak ChatML and share the special-token layout, so engine code
-# (stop on eos, chat formatting) behaves the same on the test model and the real one.
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")   # ids 0, 1, 2
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
 def minikv_home() -> Path:
@@ -296,68 +291,9 @@ def _build_smollm2(out: Path, progress: bool) -> dict:
 
 # ----------------------------------------------------------------- tiny-random (tests)
 
-def byte_to_unicode() -> dict[int, str]:
-    """The byte-level BPE trick: give each of the 256 bytes a *printable* character.
-
-    Printable Latin-1 bytes stand for themselves; the rest (controls, space, ...)
-    are shifted past U+0100. Tokenizers then only ever see visible characters, and
-    any UTF-8 text -- emoji included -- round-trips with no unknown token.
-    """
-    keep = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
-    shifted = iter(range(256, 512))
-    return {b: chr(b) if b in keep else chr(next(shifted)) for b in range(256)}
-
-
-def build_tiny_tokenizer():
-    """A 259-token byte-level tokenizer: ids 0-2 special, byte ``b`` is id ``b + 3``."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    for b, ch in byte_to_unicode().items():
-        vocab[ch] = len(SPECIAL_TOKENS) + b
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))   # no merges: pure bytes
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                                for t in SPECIAL_TOKENS])
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<|endoftext|>",
-                                  bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                  pad_token="<|im_end|>", model_max_length=2048,
-                                  clean_up_tokenization_spaces=False)
-    tok.chat_template = CHATML_TEMPLATE
-    return tok
-
-
 def _build_tiny(out: Path, progress: bool) -> dict:
-    """Random Llama whose greedy output is *informative* for tests.
-
-    The default init (std 0.02) makes every logit nearly equal, so greedy decoding
-    repeats one token and ignores the context: a broken KV cache would go unnoticed.
-    Embeddings with std 1 and projections with std 0.25 (about 2/sqrt(hidden)) give
-    logits with std ~8, clear top-1 margins, and next tokens that depend on earlier
-    tokens -- which is exactly what attention over the KV cache must get right.
-    Each tensor draws from its own generator seeded by its name, so the weights do
-    not depend on how transformers orders or initializes parameters.
-    """
-    import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
-    tok = build_tiny_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
-        bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config).float().eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
-            if "norm" in name:
-                p.fill_(1.0)
-            else:
-                std = 1.0 if "embed_tokens" in name else 0.25
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
-    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    """Save the tiny-random recipe (:mod:`minikv.models.tiny`)."""
+    model, tok = build_tiny()
     with _step_bar(1, progress, "tiny-random") as step:
         step("save")
         model.save_pretrained(out)

@@ -14,34 +14,29 @@ the like are ignored.  vLLM's answer to cross-tenant cache probing is a client-s
 ``cache_salt``; a salt travels in request bodies, SDK configs and logs, and whoever copies it
 shares the victim's cache again (vLLM issue #53347).  A key that only the server derives from
 (engine secret, authenticated tenant) cannot be copied by a client, because no client ever sees
-it.  Keys are compared in constant time (HMAC-style digest comparison over every configured key),
-so response timing does not reveal how much of a guessed key was right.
+it.  Keys are compared in constant time (:mod:`minikv.serve.auth`), so response timing does not
+reveal how much of a guessed key was right.
 
 Concurrency
 -----------
 Handlers never touch the engine: they hand requests to :class:`~minikv.serve.runner.EngineRunner`,
 whose single thread steps the engine, so concurrent requests share one continuous batch.  A
-client that disconnects has its request aborted (``engine.abort_request``), streaming or not.
+client that disconnects has its request aborted (``engine.abort_request``), streaming or not
+(:mod:`minikv.serve.streaming`).
 
 Errors
 ------
 Every error is OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``: 401 for a
 missing/unknown key, 413 for a body over ``max_body_bytes``, 400 for malformed JSON or bad
 parameters (including what the engine's own validation rejects), 404 for an unknown model or
-path.  A bad request never disturbs the others: validation happens before anything is allocated.
+path.  A bad request never disturbs the others: validation (:mod:`minikv.serve.protocol`) happens
+before anything is allocated.
 
 Logs carry request ids, tenants and token counts -- never prompt or completion text.
 """
 from __future__ import annotations
 
-import asyncio
-import hashlib
-import hmac
-import json
 import logging
-import os
-import socket
-import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -51,226 +46,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+# load_api_keys, BackgroundServer and CHAT_ROLES are re-exported: they used to live here.
+from .auth import ApiKeys, load_api_keys  # noqa: F401
+from .background import BackgroundServer  # noqa: F401
 from .metrics import ServerMetrics
+from .protocol import (CHAT_ROLES, APIError, _chat_messages, _completion_prompt, _field,  # noqa: F401
+                       _sampling_params, error_body, read_json)
 from .runner import ChatPrompt, EngineRunner, EngineUnavailable, RequestRejected
+from .streaming import _ClientGone, _Delta, run_to_end, sse
 
 log = logging.getLogger("minikv.serve")
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB
 DEFAULT_CHAT_MAX_TOKENS = 256
-CHAT_ROLES = ("system", "user", "assistant", "developer")
-
-
-# ---------------------------------------------------------------------------------------- keys
-class ApiKeys:
-    """API key -> tenant, resolved in constant time.
-
-    Every configured key is compared (no early exit), and what is compared are SHA-256 digests
-    of equal length, so neither the position of the first wrong character nor the key's length
-    shows in the response time.
-    """
-
-    def __init__(self, mapping: Mapping[str, str]):
-        if not isinstance(mapping, Mapping) or not mapping:
-            raise ValueError("api keys must be a non-empty mapping of key -> tenant")
-        entries = []
-        for key, tenant in mapping.items():
-            if not isinstance(key, str) or not key.strip() or key != key.strip():
-                raise ValueError("every API key must be a non-empty string without surrounding spaces")
-            if not isinstance(tenant, str) or not tenant:
-                raise ValueError("every tenant name must be a non-empty string")
-            entries.append((hashlib.sha256(key.encode()).digest(), tenant))
-        self._entries = tuple(entries)
-        self.tenants = tuple(sorted(set(mapping.values())))
-
-    def __repr__(self) -> str:  # never print keys
-        return f"ApiKeys({len(self._entries)} keys, tenants={list(self.tenants)})"
-
-    def resolve(self, authorization: str | None) -> str | None:
-        """The tenant of a ``Bearer`` header, or None (missing, malformed or unknown key)."""
-        if not authorization:
-            return None
-        scheme, _, token = authorization.partition(" ")
-        token = token.strip()
-        if scheme.lower() != "bearer" or not token:
-            return None
-        digest = hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
-        found = None
-        for key_digest, tenant in self._entries:
-            if hmac.compare_digest(key_digest, digest):
-                found = tenant
-        return found
-
-
-def load_api_keys(path: str | os.PathLike) -> ApiKeys:
-    """Read a JSON object ``{"<api key>": "<tenant>", ...}``."""
-    with open(path, encoding="utf-8") as fh:
-        try:
-            data = json.load(fh)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON ({exc.msg})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object mapping API key -> tenant name")
-    return ApiKeys(data)
-
-
-# ---------------------------------------------------------------------------------------- errors
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def _error_response(exc: APIError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-    return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status,
-                        headers=headers)
-
-
-class _ClientGone(Exception):
-    pass
-
-
-# ---------------------------------------------------------------------------------------- parsing
-_MISSING = object()
-
-
-def _field(body: dict, name: str, kinds: tuple, default: Any = None, what: str = "") -> Any:
-    value = body.get(name, _MISSING)
-    if value is _MISSING or value is None:
-        return default
-    ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
-    if not ok:
-        raise APIError(400, f"'{name}' must be {what or ' or '.join(k.__name__ for k in kinds)}, "
-                            f"got {type(value).__name__}", param=name, code="invalid_type")
-    return value
-
-
-def _sampling_params(body: dict, default_max_tokens: int, max_model_len: int, chat: bool):
-    from ..engine.sampling import SamplingParams
-
-    n = _field(body, "n", (int,), 1, "an integer")
-    if n != 1:
-        raise APIError(400, f"n={n} is not supported; minikv returns one choice per request", param="n")
-    best_of = _field(body, "best_of", (int,), 1, "an integer")
-    if best_of != 1:
-        raise APIError(400, "best_of is not supported", param="best_of")
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
-        raise APIError(400, "logprobs are not supported", param="logprobs")
-    if not chat and _field(body, "echo", (bool,), False):
-        raise APIError(400, "echo is not supported", param="echo")
-    if not chat and body.get("suffix") not in (None, ""):
-        raise APIError(400, "suffix is not supported", param="suffix")
-    max_tokens = _field(body, "max_tokens", (int,), None, "an integer")
-    if chat and max_tokens is None:
-        max_tokens = _field(body, "max_completion_tokens", (int,), None, "an integer")
-    if max_tokens is None:
-        max_tokens = default_max_tokens
-    elif max_tokens <= 0:
-        raise APIError(400, f"max_tokens must be > 0, got {max_tokens}", param="max_tokens")
-    elif max_tokens >= max_model_len:
-        raise APIError(400, f"max_tokens={max_tokens} exceeds the model's context ({max_model_len} tokens)",
-                       param="max_tokens")
-    temperature = _field(body, "temperature", (int, float), 1.0, "a number")
-    if temperature < 0:
-        raise APIError(400, f"temperature must be >= 0, got {temperature}", param="temperature")
-    top_p = _field(body, "top_p", (int, float), 1.0, "a number")
-    top_k = _field(body, "top_k", (int,), 0, "an integer")
-    seed = _field(body, "seed", (int,), None, "an integer")
-    stop = body.get("stop")
-    if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list)
-                                                          and all(isinstance(s, str) for s in stop))):
-        raise APIError(400, "'stop' must be a string or a list of strings", param="stop", code="invalid_type")
-    if isinstance(stop, list) and len(stop) > 16:
-        raise APIError(400, "at most 16 stop strings are supported", param="stop")
-    ignore_eos = _field(body, "ignore_eos", (bool,), False, "a boolean")
-    try:
-        return SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-                              top_k=top_k, seed=seed, stop=stop or None, ignore_eos=ignore_eos)
-    except (ValueError, TypeError) as exc:
-        raise APIError(400, str(exc)) from None
-
-
-def _completion_prompt(body: dict):
-    prompt = body.get("prompt", _MISSING)
-    if prompt is _MISSING or prompt is None:
-        raise APIError(400, "'prompt' is required", param="prompt", code="missing_required_parameter")
-    if isinstance(prompt, str):
-        if not prompt:
-            raise APIError(400, "'prompt' is empty", param="prompt")
-        return prompt
-    if isinstance(prompt, list):
-        if not prompt:
-            raise APIError(400, "'prompt' is empty", param="prompt")
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return list(prompt)
-        if len(prompt) == 1 and isinstance(prompt[0], str):
-            return _completion_prompt({"prompt": prompt[0]})
-        if len(prompt) == 1 and isinstance(prompt[0], list):
-            return _completion_prompt({"prompt": prompt[0]})
-        if all(isinstance(p, (str, list)) for p in prompt):
-            raise APIError(400, "batched prompts are not supported: send one prompt per request", param="prompt")
-    raise APIError(400, "'prompt' must be a string, a list of token ids, or a list with one string",
-                   param="prompt", code="invalid_type")
-
-
-def _chat_messages(body: dict) -> tuple:
-    messages = body.get("messages", _MISSING)
-    if messages is _MISSING or messages is None:
-        raise APIError(400, "'messages' is required", param="messages", code="missing_required_parameter")
-    if not isinstance(messages, list) or not messages:
-        raise APIError(400, "'messages' must be a non-empty list", param="messages", code="invalid_type")
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise APIError(400, f"messages[{i}] must be an object", param=f"messages[{i}]", code="invalid_type")
-        role, content = m.get("role"), m.get("content")
-        if role not in CHAT_ROLES:
-            raise APIError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}",
-                           param=f"messages[{i}].role")
-        if isinstance(content, list):  # content parts: only text is supported
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise APIError(400, f"messages[{i}].content: only text parts are supported",
-                               param=f"messages[{i}].content")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise APIError(400, f"messages[{i}].content must be a string", param=f"messages[{i}].content",
-                           code="invalid_type")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
-    if not any(m["content"] for m in out):
-        raise APIError(400, "'messages' contain no text", param="messages")
-    return tuple(out)
-
-
-class _Delta:
-    """Turns cumulative output text into safe-to-send increments.
-
-    Text that might still change is held back: an incomplete UTF-8 character at the end (decoded
-    as U+FFFD until its last byte arrives) and, with ``stop`` strings, the last ``len(stop) - 1``
-    characters, which could be the start of a stop string that will be cut off.
-    """
-
-    def __init__(self, stops: tuple[str, ...]):
-        self.sent = ""
-        self.hold = max((len(s) for s in stops), default=1) - 1
-
-    def __call__(self, text: str, finished: bool) -> str:
-        if finished:
-            safe = text
-        else:
-            safe = text[:len(text) - self.hold] if self.hold else text
-            safe = safe.rstrip("\ufffd")
-        if not safe.startswith(self.sent):
-            return ""  # the decoded prefix changed (rare); never resend what was sent
-        piece, self.sent = safe[len(self.sent):], safe
-        return piece
 
 
 # ---------------------------------------------------------------------------------------- app
@@ -300,6 +88,12 @@ class _MetricsMiddleware:
             await self.app(scope, receive, _send)
         finally:
             self.metrics.requests.labels(endpoint=endpoint, status=str(status["code"])).inc()
+
+
+def _error_response(exc: APIError) -> JSONResponse:
+    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+    return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status,
+                        headers=headers)
 
 
 def create_app(llm_or_engine, api_keys: ApiKeys | Mapping[str, str], *, model_name: str | None = None,
@@ -356,29 +150,6 @@ def create_app(llm_or_engine, api_keys: ApiKeys | Mapping[str, str], *, model_na
                            code="invalid_api_key")
         return tenant
 
-    async def read_json(request: Request) -> dict:
-        length = request.headers.get("content-length")
-        if length is not None:
-            try:
-                too_big = int(length) > max_body_bytes
-            except ValueError:
-                raise APIError(400, "invalid Content-Length header") from None
-            if too_big:
-                raise APIError(413, f"request body exceeds {max_body_bytes} bytes", code="request_too_large")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_body_bytes:
-                raise APIError(413, f"request body exceeds {max_body_bytes} bytes", code="request_too_large")
-            chunks.append(chunk)
-        try:
-            body = json.loads(b"".join(chunks))
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-            raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-        return body
-
     def check_model(body: dict) -> str:
         model = body.get("model")
         if model is None:
@@ -398,12 +169,6 @@ def create_app(llm_or_engine, api_keys: ApiKeys | Mapping[str, str], *, model_na
             u["prompt_tokens_details"] = {"cached_tokens": out.num_cached_tokens}
         return u
 
-    async def wait_disconnect(request: Request) -> None:
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                return
-
     async def start(request_id: str, prompt, params, tenant: str, request: Request):
         """Submit and wait until the engine accepted (or rejected) the request."""
         try:
@@ -413,36 +178,9 @@ def create_app(llm_or_engine, api_keys: ApiKeys | Mapping[str, str], *, model_na
         except EngineUnavailable as exc:
             raise APIError(503, str(exc), "server_error", code="engine_unavailable") from None
 
-    async def run_to_end(stream, request: Request):
-        """The final output of a non-streaming request; aborts it if the client goes away."""
-        async def collect():
-            last = None
-            async for out in stream:
-                last = out
-            return last
-        task = asyncio.ensure_future(collect())
-        watcher = asyncio.ensure_future(wait_disconnect(request))
-        try:
-            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            if not task.done():
-                raise _ClientGone()
-            try:
-                return task.result()
-            except EngineUnavailable as exc:
-                raise APIError(503, str(exc), "server_error", code="engine_unavailable") from None
-        finally:
-            for t in (task, watcher):
-                if not t.done():
-                    t.cancel()
-            await asyncio.gather(task, watcher, return_exceptions=True)
-            await stream.aclose()
-
-    def sse(obj: Any) -> str:
-        return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
-
     async def handle(request: Request, chat: bool):
         tenant = tenant_of(request)
-        body = await read_json(request)
+        body = await read_json(request, max_body_bytes)
         model = check_model(body)
         if chat:
             prompt: Any = ChatPrompt(_chat_messages(body))
@@ -555,71 +293,3 @@ def create_app(llm_or_engine, api_keys: ApiKeys | Mapping[str, str], *, model_na
         return Response(data, media_type=content_type)
 
     return app
-
-
-# ---------------------------------------------------------------------------------------- in-process server
-class BackgroundServer:
-    """uvicorn serving ``app`` from a thread of this process, on loopback and a free port.
-
-    The listening socket is bound before the thread starts (no port race), uvicorn's logging
-    config is left alone (no handlers added: nothing reaches a notebook's stderr) and ``stop()``
-    shuts down gracefully (the app's lifespan stops the engine thread)::
-
-        with BackgroundServer(app) as srv:
-            httpx.get(srv.base_url + "/models", headers=...)
-    """
-
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-                 access_log: bool = False):
-        self.app, self.host, self.port = app, host, port
-        self.log_level, self.access_log = log_level, access_log
-        self._server = None
-        self._thread: threading.Thread | None = None
-        self._sock: socket.socket | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def base_url(self) -> str:
-        return f"{self.url}/v1"
-
-    def start(self, timeout: float = 60.0) -> "BackgroundServer":
-        import uvicorn
-
-        if self._thread is not None:
-            return self
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, self.port))
-        self.port = sock.getsockname()[1]
-        self._sock = sock
-        config = uvicorn.Config(self.app, log_config=None, log_level=self.log_level,
-                                access_log=self.access_log, lifespan="on", timeout_graceful_shutdown=5)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
-                                        name="minikv-uvicorn", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + timeout
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("the server did not start")
-            time.sleep(0.01)
-        return self
-
-    def stop(self, timeout: float = 30.0) -> None:
-        if self._server is not None:
-            self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout)
-        if self._sock is not None:
-            self._sock.close()
-        self._thread = self._server = self._sock = None
-
-    def __enter__(self) -> "BackgroundServer":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

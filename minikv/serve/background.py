@@ -1,0 +1,84 @@
+"""Serve an app from a thread of this process: for tests, notebooks and in-process audits.
+
+A real deployment runs ``minikv serve`` (uvicorn in the foreground).  Tests and notebooks need
+the same server *next to* the code that talks to it, so that a cell can start a server, attack
+or audit it over real HTTP, and stop it again.  Three details make that reliable:
+
+* the listening socket is bound *before* the thread starts, on port 0, so the kernel picks a
+  free port and there is no window in which another process can take it;
+* it binds to loopback (127.0.0.1) by default: a course server with well-known demo keys
+  must not be reachable from the network;
+* uvicorn's logging config is left alone, so nothing it logs lands in a notebook's output.
+"""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+
+class BackgroundServer:
+    """uvicorn serving ``app`` from a thread of this process, on loopback and a free port.
+
+    The listening socket is bound before the thread starts (no port race), uvicorn's logging
+    config is left alone (no handlers added: nothing reaches a notebook's stderr) and ``stop()``
+    shuts down gracefully (the app's lifespan stops the engine thread)::
+
+        with BackgroundServer(app) as srv:
+            httpx.get(srv.base_url + "/models", headers=...)
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 access_log: bool = False):
+        self.app, self.host, self.port = app, host, port
+        self.log_level, self.access_log = log_level, access_log
+        self._server = None
+        self._thread: threading.Thread | None = None
+        self._sock: socket.socket | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def start(self, timeout: float = 60.0) -> "BackgroundServer":
+        import uvicorn
+
+        if self._thread is not None:
+            return self
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        self.port = sock.getsockname()[1]
+        self._sock = sock
+        config = uvicorn.Config(self.app, log_config=None, log_level=self.log_level,
+                                access_log=self.access_log, lifespan="on", timeout_graceful_shutdown=5)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
+                                        name="minikv-uvicorn", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self._sock is not None:
+            self._sock.close()
+        self._thread = self._server = self._sock = None
+
+    def __enter__(self) -> "BackgroundServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

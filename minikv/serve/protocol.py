@@ -1,0 +1,179 @@
+"""The OpenAI wire format, server side: error bodies and request validation.
+
+Everything here is plain Python over the request body -- no FastAPI import, no engine -- so the
+rules of what a request may contain can be read (and tested) on their own.  Two rules matter
+for security and robustness:
+
+* **Validate everything before anything is allocated.**  A request with a bad field becomes an
+  :class:`APIError` (HTTP 400, OpenAI-shaped) here, before the engine sees it, so one malformed
+  request never disturbs the batch the others are running in.
+* **Refuse what is not implemented** (``n > 1``, ``best_of``, ``logprobs``, ``echo``,
+  ``suffix``, batched prompts) instead of silently ignoring it: a client that asked for
+  something must not be handed a response that only looks like it.
+
+Fields that would let a client choose its cache domain (``cache_salt``, ``tenant``, ``user``)
+are simply never read: the tenant comes from the API key (:mod:`minikv.serve.auth`).
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+CHAT_ROLES = ("system", "user", "assistant", "developer")
+
+
+class APIError(Exception):
+    """An error the client caused (or must hear about): the app answers it with HTTP ``status``
+    and the OpenAI body ``{"error": {"message", "type", "param", "code"}}``."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    """The OpenAI error object (also sent as an SSE event when a stream fails midway)."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+async def read_json(request, max_body_bytes: int) -> dict:
+    """The request body as a JSON object, refusing more than ``max_body_bytes`` (HTTP 413).
+
+    The limit is checked twice: against ``Content-Length`` before reading anything, and while
+    reading, for chunked bodies (and clients whose header lies).  Without it, one request could
+    make the server buffer an arbitrarily large body in memory.
+    """
+    length = request.headers.get("content-length")
+    if length is not None:
+        try:
+            too_big = int(length) > max_body_bytes
+        except ValueError:
+            raise APIError(400, "invalid Content-Length header") from None
+        if too_big:
+            raise APIError(413, f"request body exceeds {max_body_bytes} bytes", code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_body_bytes:
+            raise APIError(413, f"request body exceeds {max_body_bytes} bytes", code="request_too_large")
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+_MISSING = object()
+
+
+def _field(body: dict, name: str, kinds: tuple, default: Any = None, what: str = "") -> Any:
+    value = body.get(name, _MISSING)
+    if value is _MISSING or value is None:
+        return default
+    ok = isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)
+    if not ok:
+        raise APIError(400, f"'{name}' must be {what or ' or '.join(k.__name__ for k in kinds)}, "
+                            f"got {type(value).__name__}", param=name, code="invalid_type")
+    return value
+
+
+def _sampling_params(body: dict, default_max_tokens: int, max_model_len: int, chat: bool):
+    from ..engine.sampling import SamplingParams
+
+    n = _field(body, "n", (int,), 1, "an integer")
+    if n != 1:
+        raise APIError(400, f"n={n} is not supported; minikv returns one choice per request", param="n")
+    best_of = _field(body, "best_of", (int,), 1, "an integer")
+    if best_of != 1:
+        raise APIError(400, "best_of is not supported", param="best_of")
+    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") not in (None, 0):
+        raise APIError(400, "logprobs are not supported", param="logprobs")
+    if not chat and _field(body, "echo", (bool,), False):
+        raise APIError(400, "echo is not supported", param="echo")
+    if not chat and body.get("suffix") not in (None, ""):
+        raise APIError(400, "suffix is not supported", param="suffix")
+    max_tokens = _field(body, "max_tokens", (int,), None, "an integer")
+    if chat and max_tokens is None:
+        max_tokens = _field(body, "max_completion_tokens", (int,), None, "an integer")
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    elif max_tokens <= 0:
+        raise APIError(400, f"max_tokens must be > 0, got {max_tokens}", param="max_tokens")
+    elif max_tokens >= max_model_len:
+        raise APIError(400, f"max_tokens={max_tokens} exceeds the model's context ({max_model_len} tokens)",
+                       param="max_tokens")
+    temperature = _field(body, "temperature", (int, float), 1.0, "a number")
+    if temperature < 0:
+        raise APIError(400, f"temperature must be >= 0, got {temperature}", param="temperature")
+    top_p = _field(body, "top_p", (int, float), 1.0, "a number")
+    top_k = _field(body, "top_k", (int,), 0, "an integer")
+    seed = _field(body, "seed", (int,), None, "an integer")
+    stop = body.get("stop")
+    if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list)
+                                                          and all(isinstance(s, str) for s in stop))):
+        raise APIError(400, "'stop' must be a string or a list of strings", param="stop", code="invalid_type")
+    if isinstance(stop, list) and len(stop) > 16:
+        raise APIError(400, "at most 16 stop strings are supported", param="stop")
+    ignore_eos = _field(body, "ignore_eos", (bool,), False, "a boolean")
+    try:
+        return SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
+                              top_k=top_k, seed=seed, stop=stop or None, ignore_eos=ignore_eos)
+    except (ValueError, TypeError) as exc:
+        raise APIError(400, str(exc)) from None
+
+
+def _completion_prompt(body: dict):
+    prompt = body.get("prompt", _MISSING)
+    if prompt is _MISSING or prompt is None:
+        raise APIError(400, "'prompt' is required", param="prompt", code="missing_required_parameter")
+    if isinstance(prompt, str):
+        if not prompt:
+            raise APIError(400, "'prompt' is empty", param="prompt")
+        return prompt
+    if isinstance(prompt, list):
+        if not prompt:
+            raise APIError(400, "'prompt' is empty", param="prompt")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+        if len(prompt) == 1 and isinstance(prompt[0], str):
+            return _completion_prompt({"prompt": prompt[0]})
+        if len(prompt) == 1 and isinstance(prompt[0], list):
+            return _completion_prompt({"prompt": prompt[0]})
+        if all(isinstance(p, (str, list)) for p in prompt):
+            raise APIError(400, "batched prompts are not supported: send one prompt per request", param="prompt")
+    raise APIError(400, "'prompt' must be a string, a list of token ids, or a list with one string",
+                   param="prompt", code="invalid_type")
+
+
+def _chat_messages(body: dict) -> tuple:
+    messages = body.get("messages", _MISSING)
+    if messages is _MISSING or messages is None:
+        raise APIError(400, "'messages' is required", param="messages", code="missing_required_parameter")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "'messages' must be a non-empty list", param="messages", code="invalid_type")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise APIError(400, f"messages[{i}] must be an object", param=f"messages[{i}]", code="invalid_type")
+        role, content = m.get("role"), m.get("content")
+        if role not in CHAT_ROLES:
+            raise APIError(400, f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}",
+                           param=f"messages[{i}].role")
+        if isinstance(content, list):  # content parts: only text is supported
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise APIError(400, f"messages[{i}].content: only text parts are supported",
+                               param=f"messages[{i}].content")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise APIError(400, f"messages[{i}].content must be a string", param=f"messages[{i}].content",
+                           code="invalid_type")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    if not any(m["content"] for m in out):
+        raise APIError(400, "'messages' contain no text", param="messages")
+    return tuple(out)

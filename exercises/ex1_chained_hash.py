@@ -1,7 +1,8 @@
 # GENERATED from solutions/ex1_chained_hash.py by `python -m minikv.grading.make_exercises`.
 # This file is yours: replace every `raise NotImplementedError` with your implementation,
-# then run `make grade` (or the check cell in the lesson).  Course maintainers: edit
-# solutions/ex1_chained_hash.py and regenerate; never edit this file by hand.
+# then run `make grade` (or the check cell in the lesson).  The imports below are the ones the
+# reference solution uses.  Course maintainers: edit solutions/ex1_chained_hash.py and regenerate; never
+# edit this file by hand.
 """Exercise 1 (lesson 07): a chained, domain-separated block hash.
 
 The engine names every full KV block by a *cache key*.  A hit on that key makes a request

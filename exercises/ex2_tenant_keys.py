@@ -1,7 +1,8 @@
 # GENERATED from solutions/ex2_tenant_keys.py by `python -m minikv.grading.make_exercises`.
 # This file is yours: replace every `raise NotImplementedError` with your implementation,
-# then run `make grade` (or the check cell in the lesson).  Course maintainers: edit
-# solutions/ex2_tenant_keys.py and regenerate; never edit this file by hand.
+# then run `make grade` (or the check cell in the lesson).  The imports below are the ones the
+# reference solution uses.  Course maintainers: edit solutions/ex2_tenant_keys.py and regenerate; never
+# edit this file by hand.
 """Exercise 2 (lesson 07): tenant-keyed block hashing with server-side, per-tenant keys.
 
 A shared prefix cache answers "did anyone recently send this prefix?" to every tenant (lesson

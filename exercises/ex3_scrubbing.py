@@ -1,7 +1,8 @@
 # GENERATED from solutions/ex3_scrubbing.py by `python -m minikv.grading.make_exercises`.
 # This file is yours: replace every `raise NotImplementedError` with your implementation,
-# then run `make grade` (or the check cell in the lesson).  Course maintainers: edit
-# solutions/ex3_scrubbing.py and regenerate; never edit this file by hand.
+# then run `make grade` (or the check cell in the lesson).  The imports below are the ones the
+# reference solution uses.  Course maintainers: edit solutions/ex3_scrubbing.py and regenerate; never
+# edit this file by hand.
 """Exercise 3 (lesson 08): scrubbing KV blocks, at the right moment of their life.
 
 A freed KV block keeps its previous owner's keys and values until something overwrites them,

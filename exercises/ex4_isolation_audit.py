@@ -1,7 +1,8 @@
 # GENERATED from solutions/ex4_isolation_audit.py by `python -m minikv.grading.make_exercises`.
 # This file is yours: replace every `raise NotImplementedError` with your implementation,
-# then run `make grade` (or the check cell in the lesson).  Course maintainers: edit
-# solutions/ex4_isolation_audit.py and regenerate; never edit this file by hand.
+# then run `make grade` (or the check cell in the lesson).  The imports below are the ones the
+# reference solution uses.  Course maintainers: edit solutions/ex4_isolation_audit.py and regenerate; never
+# edit this file by hand.
 """Exercise 4 (lesson 08): an isolation audit that checks BOTH directions.
 
 Run a multi-tenant workload against an engine -- requests of different tenants in the same

@@ -1,7 +1,8 @@
 # GENERATED from solutions/ex5_timing_stats.py by `python -m minikv.grading.make_exercises`.
 # This file is yours: replace every `raise NotImplementedError` with your implementation,
-# then run `make grade` (or the check cell in the lesson).  Course maintainers: edit
-# solutions/ex5_timing_stats.py and regenerate; never edit this file by hand.
+# then run `make grade` (or the check cell in the lesson).  The imports below are the ones the
+# reference solution uses.  Course maintainers: edit solutions/ex5_timing_stats.py and regenerate; never
+# edit this file by hand.
 """Exercise 5 (lesson 07): the statistics of a timing audit.
 
 From outside, a cache hit shows up as a faster response.  Given latencies of requests that

@@ -207,3 +207,23 @@ def test_a_broken_exercise_module_is_reported_and_the_rest_still_run(tmp_path, c
     out = capsys.readouterr().out
     assert results == {"4a": False, "5a": False}
     assert "cannot import broken_ex.ex5_timing_stats" in out and "SyntaxError" in out
+
+
+def test_lesson_solutions_match_the_solution_files():
+    """The folded solutions in lessons 07 and 08 are copies of solutions/: they must not drift."""
+    import re
+
+    import nbformat
+    sources = "\n".join(p.read_text(encoding="utf-8") for p in sorted(SOLUTIONS.glob("ex*.py")))
+    lines = {line.strip() for line in sources.splitlines()}
+    found = 0
+    for name in ("07_tenant_keyed_hashing.ipynb", "08_scrubbing.ipynb"):
+        nb = nbformat.read(ROOT / "course" / name, as_version=4)
+        for cell in nb.cells:
+            if cell.cell_type != "markdown" or "<summary>Solution</summary>" not in cell.source:
+                continue
+            for block in re.findall(r"<summary>Solution</summary>.*?```python\n(.*?)```", cell.source, re.S):
+                found += 1
+                stale = [line for line in block.splitlines() if line.strip() and line.strip() not in lines]
+                assert not stale, f"{name}: solution text not in solutions/: {stale[:3]}"
+    assert found >= 8

@@ -18,7 +18,7 @@ from ..security.encoding import encode_fields as ref_encode_fields
 from ..security.hashing import make_hasher
 from ..security.keys import derive_tenant_key as ref_derive_tenant_key
 from ._report import CheckFailed, expect, grader, single_thread
-from .engines import BS, ENGINE_SECRET, GREEDY, HitLog, tiny_llm, use_block_keys, use_key_derivation
+from .engines import ENGINE_SECRET, GREEDY, HitLog, tiny_llm, use_block_keys, use_key_derivation
 
 SECRET_A = bytes(range(32))
 SECRET_B = bytes(range(1, 33))
@@ -278,7 +278,7 @@ def check_tenant_key_derivation(derive_tenant_key) -> str:
         _, exc = _safe(derive_tenant_key, bad, "alice")
         expect(isinstance(exc, exc_type), f"derive_tenant_key accepted {what} "
                f"({'no error' if exc is None else type(exc).__name__}); expected {exc_type.__name__}",
-               f"reject secrets that are not bytes (TypeError) or shorter than 16 bytes (ValueError): "
+               "reject secrets that are not bytes (TypeError) or shorter than 16 bytes (ValueError): "
                "a short secret can be brute-forced, and then every tenant key with it.")
     # Compare with the reference derivation: equal exactly when the reference keys are equal.
     grid = [(s, t) for s in (SECRET_A, SECRET_B) for t in tenants]

@@ -23,7 +23,7 @@ import functools
 
 from ..audit.isolation import audit_engine
 from ..security.hashing import make_hasher
-from ._report import CheckFailed, expect, grader
+from ._report import expect, grader
 from .engines import BS, ENGINE_SECRET, HitLog, tiny_llm
 
 
@@ -39,8 +39,8 @@ def _untenanted_sha256():
 
 #: name -> (engine settings, correct verdict, what the engine does)
 ENGINES = {
-    "isolated": (dict(enable_prefix_caching=True), "pass", "tenant-isolated cache"),
-    "shared": (dict(enable_prefix_caching=True, cache_isolation="shared"), "fail", "cache shared across tenants"),
+    "isolated": (dict(enable_prefix_caching=True), "pass", "a tenant-isolated cache"),
+    "shared": (dict(enable_prefix_caching=True, cache_isolation="shared"), "fail", "a cache shared across tenants"),
     "dropped-key": (dict(enable_prefix_caching=True, verify_hits=False, block_hasher="untenanted"), "fail",
                     "tenant isolation whose hasher drops the tenant key"),
     "cache-off": (dict(enable_prefix_caching=False), "inconclusive", "prefix caching off"),
@@ -111,28 +111,28 @@ def check_isolation_audit(isolation_audit) -> str:
             expect(hasattr(report, attr), f"the report has no attribute {attr!r}", "return an IsolationReport.")
         expect(conc.steps > 0, "the audit never ran the engine it was given", "send the requests to `llm`.")
         expect(conc.max_tenants >= 2,
-               f"requests of different tenants never ran in the same engine step ({what}): the audit is sequential",
+               f"requests of different tenants never ran in the same engine step (engine with {what}): the audit is sequential",
                "queue a whole wave at once, e.g. llm.generate(prompts, params, tenant=tenants): isolation must hold "
                "inside a batch, not only between quiet requests.")
         true_cross = BS * len(log.cross)
         true_same = BS * len(log.same)
         expect(report.cross_tenant_cached_tokens == true_cross,
-               f"on the engine with a {what}, your audit counted {report.cross_tenant_cached_tokens} cross-tenant "
+               f"on an engine with {what}, your audit counted {report.cross_tenant_cached_tokens} cross-tenant "
                f"cached tokens; the engine served {true_cross} tokens from another tenant's blocks",
                "a request's cached tokens are cross-tenant only if nobody but another tenant can have sent that "
                "prefix before (a copy of another tenant's document, or a first-time request); re-sends of your "
                "own document are same-tenant.")
         expect(report.same_tenant_cached_tokens == true_same,
-               f"on the engine with a {what}, your audit counted {report.same_tenant_cached_tokens} same-tenant "
+               f"on an engine with {what}, your audit counted {report.same_tenant_cached_tokens} same-tenant "
                f"cached tokens; the engine served {true_same} tokens from the tenant's own blocks",
                "count the cached tokens of each tenant's re-sends of its own document as same-tenant.")
         if want == "fail":
-            expect(true_cross > 0, f"on the engine with a {what}, your workload never made one tenant send another "
+            expect(true_cross > 0, f"on an engine with {what}, your workload never made one tenant send another "
                    "tenant's prompt, so the leak could not show",
                    "in wave 2, every tenant must also send ANOTHER tenant's document (what an attacker does).")
         ref = reference_verdict(name)
         expect(report.verdict == want,
-               f"on the engine with a {what}, your verdict is {report.verdict!r}; the correct verdict is {want!r} "
+               f"on an engine with {what}, your verdict is {report.verdict!r}; the correct verdict is {want!r} "
                f"(minikv's reference audit says {ref!r})",
                {"fail": "any cross-tenant cached token means 'fail'.",
                 "pass": "0 cross-tenant AND > 0 same-tenant cached tokens means 'pass'.",

@@ -38,8 +38,9 @@ COPY_HEADER = (
 HEADER = (
     "# GENERATED from solutions/{name} by `python -m minikv.grading.make_exercises`.\n"
     "# This file is yours: replace every `raise NotImplementedError` with your implementation,\n"
-    "# then run `make grade` (or the check cell in the lesson).  Course maintainers: edit\n"
-    "# solutions/{name} and regenerate; never edit this file by hand.\n"
+    "# then run `make grade` (or the check cell in the lesson).  The imports below are the ones the\n"
+    "# reference solution uses.  Course maintainers: edit solutions/{name} and regenerate; never\n"
+    "# edit this file by hand.\n"
 )
 
 EXERCISES_INIT = '''"""Your exercises for the minikv course (lessons 07 and 08).

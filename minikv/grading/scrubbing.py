@@ -49,15 +49,23 @@ def _random_pool(seed: int = 0) -> KVPool:
 def _diff_report(pool, before_k, before_v, ids: list[int], call: str, must_zero: bool = True) -> None:
     """Fail with a precise message unless exactly ``ids`` are zero (when ``must_zero``) and
     every other block is unchanged."""
-    for name, now, before in (("K", pool.k_cache, before_k), ("V", pool.v_cache, before_v)):
-        for b in range(now.shape[1]):
-            if b in ids and must_zero:
-                nonzero = [layer for layer in range(now.shape[0]) if now[layer, b].abs().sum() > 0]
+    layers = pool.k_cache.shape[0]
+    if must_zero:
+        for b in ids:
+            dirty = {name: [layer for layer in range(layers) if cache[layer, b].abs().sum() > 0]
+                     for name, cache in (("K", pool.k_cache), ("V", pool.v_cache))}
+            if len(dirty["K"]) == len(dirty["V"]) == layers:
+                raise CheckFailed(f"after {call}, block {b} was not zeroed at all (K and V intact in every layer)",
+                                  "zero every block you are given, right away: the new owner receives it as soon "
+                                  "as the call returns (not later, not in a batch, not only the first block).")
+            for name, nonzero in dirty.items():
                 if nonzero:
-                    hint = ("zero both k_cache and v_cache." if len(nonzero) == now.shape[0] else
+                    hint = ("zero both k_cache and v_cache." if len(nonzero) == layers else
                             "the block dimension is dim 1; index [:, ids] so that every layer (dim 0) is zeroed.")
                     raise CheckFailed(f"after {call}, block {b} still holds {name} data in layer(s) {nonzero}", hint)
-            elif b not in ids:
+    for name, now, before in (("K", pool.k_cache, before_k), ("V", pool.v_cache, before_v)):
+        for b in range(now.shape[1]):
+            if b not in ids:
                 changed = [layer for layer in range(now.shape[0]) if not torch.equal(now[layer, b], before[layer, b])]
                 if changed:
                     raise CheckFailed(

@@ -22,11 +22,11 @@ from ..models.hub import resolve_model
 from ..security.hashing import make_hasher
 from ..security.keys import derive_operator_key, derive_tenant_key, new_engine_secret
 from ..security.scrub import NoScrub, make_scrubber
-from .attention import AttentionMetadata, PrefillItem
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .kv_pool import KVPool, bytes_per_token
 from .loader import load_model, resolve_dtype
+from .model_runner import prepare_inputs
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
@@ -218,9 +218,9 @@ class LLMEngine:
                 return [self._output(seq)]
             return []
         seqs = batch.prefills + batch.decodes
-        input_ids, positions, meta = self._prepare(batch)
+        input_ids, positions, meta, last_rows = prepare_inputs(batch.prefills, batch.decodes,
+                                                               self.block_size, self.device)
         hidden = self.model.forward(input_ids, positions, self.pool, meta)
-        last_rows = torch.tensor(self._last_rows(batch), device=self.device)
         logits = self.model.logits(hidden[last_rows])
         tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
         if self.logit_trace is not None:
@@ -239,34 +239,6 @@ class LLMEngine:
                 self._finish(seq, reason)
             outputs.append(self._output(seq))
         return outputs
-
-    def _last_rows(self, batch) -> list[int]:
-        rows, offset = [], 0
-        for seq in batch.prefills:
-            offset += seq.num_tokens - seq.num_computed_tokens
-            rows.append(offset - 1)
-        return rows + list(range(offset, offset + len(batch.decodes)))
-
-    def _prepare(self, batch):
-        """Flatten the batch: prefill tokens first, then one token per decoding sequence."""
-        bs, ids, pos, slots, prefills = self.block_size, [], [], [], []
-        for seq in batch.prefills + batch.decodes:
-            start, end = seq.num_computed_tokens, seq.num_tokens
-            if seq in batch.prefills:
-                prefills.append(PrefillItem(len(ids), end - start, end,
-                                            torch.tensor(seq.block_table, device=self.device)))
-            ids.extend(seq.token_ids[start:end])
-            pos.extend(range(start, end))
-            slots.extend(seq.block_table[p // bs] * bs + p % bs for p in range(start, end))
-        dev = self.device
-        tables = lens = None
-        if batch.decodes:
-            width = max(len(s.block_table) for s in batch.decodes)
-            tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in batch.decodes], device=dev)
-            lens = torch.tensor([s.num_tokens for s in batch.decodes], device=dev)
-        meta = AttentionMetadata(torch.tensor(slots, device=dev), prefills,
-                                 len(ids) - len(batch.decodes), tables, lens)
-        return torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta
 
     def _check_stop(self, seq: Sequence, tok: int) -> str | None:
         p = seq.params
@@ -300,14 +272,9 @@ class LLMEngine:
         if not self.block_manager.allocate(seq):
             raise RuntimeError("the pool has no room to score this sequence now")
         try:
-            n = len(ids)
-            table = torch.tensor(seq.block_table, device=self.device)
-            slots = torch.tensor([seq.block_table[p // self.block_size] * self.block_size + p % self.block_size
-                                  for p in range(n)], device=self.device)
-            meta = AttentionMetadata(slots, [PrefillItem(0, n, n, table)], n, None, None)
-            ids_t = torch.tensor(ids, device=self.device)
-            hidden = self.model.forward(ids_t, torch.arange(n, device=self.device), self.pool, meta)
-            return self.model.logits(hidden)
+            seq.num_computed_tokens = 0  # score every position, even a prefix-cache hit's
+            input_ids, positions, meta, _ = prepare_inputs([seq], [], self.block_size, self.device)
+            return self.model.logits(self.model.forward(input_ids, positions, self.pool, meta))
         finally:
             self.block_manager.free(seq)
 

@@ -22,7 +22,9 @@ grader                                 ex    what is checked
 ``check_roc_auc``                      5b    AUC equal to minikv.audit.stats
 =====================================  ====  ============================================
 
-``minikv.grading.mutants`` holds realistic wrong implementations of each exercise (the tests
+The graders of exercises 1 and 2 live in ``chained_hash`` and ``tenant_keys`` (with the engine
+run they share in ``hashing_workload``; ``hashing`` gathers them).  ``minikv.grading.mutants``
+holds realistic wrong implementations of each exercise, one module per exercise (the tests
 prove every grader rejects them); ``minikv.grading.make_exercises`` generates ``exercises/``
 from ``solutions/``; ``minikv.grading.runner`` is ``make grade``.
 """

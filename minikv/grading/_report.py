@@ -36,6 +36,17 @@ def expect(condition, what: str, hint: str = "") -> None:
         raise CheckFailed(what, hint)
 
 
+def call_safely(fn, *args):
+    """Call ``fn`` and return (result, None) or (None, exception) -- NotImplementedError propagates,
+    so an unfinished stub still reads "not implemented yet" rather than "raised the wrong error"."""
+    try:
+        return fn(*args), None
+    except NotImplementedError:
+        raise
+    except Exception as exc:  # noqa: BLE001
+        return None, exc
+
+
 def _indent(text: str) -> str:
     return "\n".join("   " + line if line else line for line in text.splitlines())
 

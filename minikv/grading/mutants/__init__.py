@@ -1,0 +1,54 @@
+"""Realistic wrong implementations of every exercise: each grader must reject all of them.
+
+Every mutant is a mistake someone has made (or easily would): ``tests/test_grading.py`` proves
+that each grader fails on each of its mutants, and lessons 07/08 run a few of them through the
+graders to show what the checks catch.  ``MUTANTS[exercise_id]`` lists ``(name, implementation,
+what is wrong)``.
+
+One module per exercise, so a mutant sits next to the others that miss the same idea:
+
+==================  ======  ====================================================
+module              ex      the idea each mutant misses
+==================  ======  ====================================================
+``hashing``         1a-1b   an injective encoding; a chained, tenant-aware key
+``tenant_keys``     2a-2c   a secret-derived tenant key, in every private block
+``scrubbing``       3a-3b   zero exactly the recycled blocks, all of K and V
+``audit``           4a-4b   an audit that can fail: both directions, batched
+``stats``           5a-5b   a one-sided test, "faster => hit", ties worth 1/2
+==================  ======  ====================================================
+
+Every implementation is re-exported here, so ``mutants.KeyedFirstBlockOnly`` (as the lessons
+write it) keeps working.
+"""
+from __future__ import annotations
+
+from . import audit, hashing, scrubbing, stats, tenant_keys
+from .audit import (audit_everything_cross, audit_no_copy, audit_one_direction, audit_sequential,
+                    verdict_one_direction, verdict_wrong_order)
+from .hashing import (encode_json_like, encode_no_length, encode_untyped, hash_ignores_tenant,
+                      hash_packed_no_boundaries, hash_unchained, hash_untyped_concat)
+from .scrubbing import (ScrubDeferred, ScrubFirstBlockOnly, ScrubNothing, ScrubOnlyK, ScrubWholePool,
+                        zero_k_only, zero_layer0_only, zero_out_of_place, zero_wrong_dim)
+from .stats import auc_flipped, auc_ignores_ties, ks_two_sided, ks_wrong_alternative
+from .tenant_keys import (KeyedFirstBlockOnly, KeyedSaltNeverUsed, KeyedTruncated, derive_concat,
+                          derive_no_secret_check, derive_none_is_empty, derive_unkeyed, keys_salt_last_block_only,
+                          keys_salt_never_passed, keys_straddling_block_public, keys_unchained)
+
+#: exercise id -> [(name, implementation, what is wrong)], in exercise order.
+MUTANTS: dict[str, list[tuple[str, object, str]]] = {
+    **hashing.MUTANTS, **tenant_keys.MUTANTS, **scrubbing.MUTANTS, **audit.MUTANTS, **stats.MUTANTS,
+}
+
+__all__ = [
+    "MUTANTS",
+    "encode_untyped", "encode_no_length", "encode_json_like",
+    "hash_untyped_concat", "hash_unchained", "hash_packed_no_boundaries", "hash_ignores_tenant",
+    "derive_unkeyed", "derive_none_is_empty", "derive_concat", "derive_no_secret_check",
+    "KeyedSaltNeverUsed", "KeyedFirstBlockOnly", "KeyedTruncated",
+    "keys_salt_last_block_only", "keys_salt_never_passed", "keys_straddling_block_public", "keys_unchained",
+    "zero_k_only", "zero_layer0_only", "zero_wrong_dim", "zero_out_of_place",
+    "ScrubNothing", "ScrubDeferred", "ScrubFirstBlockOnly", "ScrubOnlyK", "ScrubWholePool",
+    "verdict_one_direction", "verdict_wrong_order",
+    "audit_one_direction", "audit_sequential", "audit_everything_cross", "audit_no_copy",
+    "ks_wrong_alternative", "ks_two_sided", "auc_flipped", "auc_ignores_ties",
+]

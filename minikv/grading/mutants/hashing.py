@@ -1,0 +1,81 @@
+"""Wrong answers to exercise 1: an encoding that is not injective, a block key that is not chained.
+
+A cache key is only as safe as the bytes it hashes: if two different (parent, tokens, extra,
+tenant) tuples encode to the same bytes, SHA-256 faithfully gives them the same key and the
+cache hands one request's K/V to the other.  Each mutant below loses one piece of structure --
+types, lengths, boundaries, the parent, the tenant -- and ``check_encode_fields`` /
+``check_chained_hash`` must notice.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+
+from ...security.encoding import encode_fields as _typed
+from ._table import entries
+
+# ============================================================================ 1a encode_fields
+
+
+def encode_untyped(*fields) -> bytes:
+    """Concatenation with a separator: ('a|b', 'c') and ('a', 'b|c') collide; types are lost."""
+    return b"|".join(str(f).encode() for f in fields)
+
+
+def encode_no_length(*fields) -> bytes:
+    """Type tags but no lengths: (b'a', b'bc') and (b'ab', b'c') give the same bytes."""
+    out = b""
+    for f in fields:
+        if f is None:
+            out += b"\x00"
+        elif isinstance(f, bytes):
+            out += b"\x01" + f
+        elif isinstance(f, str):
+            out += b"\x02" + f.encode()
+        elif isinstance(f, int):
+            out += b"\x03" + str(f).encode()
+        elif isinstance(f, (tuple, list)):
+            out += b"\x04" + encode_no_length(*f)
+        else:
+            raise TypeError(type(f).__name__)
+    return out
+
+
+def encode_json_like(*fields) -> bytes:
+    """repr() of the tuple: lists and tuples differ, and non-encodable types are silently accepted."""
+    return repr(fields).encode()
+
+
+# ============================================================================ 1b chained hash
+
+_DOMAIN = "minikv-course/block-key/v1"
+
+
+def hash_untyped_concat(parent, tokens, extra, tenant_key) -> bytes:
+    """Untyped concatenation of decimal token ids: blocks (1, 23) and (12, 3) collide."""
+    data = (parent or b"") + "".join(map(str, tokens)).encode() + "".join(map(str, extra)).encode() + (tenant_key or b"")
+    return hashlib.sha256(data).digest()
+
+
+def hash_unchained(parent, tokens, extra, tenant_key) -> bytes:
+    """Content-only key: ignores the parent, so a block is reused after a different prefix."""
+    return hashlib.sha256(_typed(_DOMAIN, tuple(tokens), tuple(extra), tenant_key)).digest()
+
+
+def hash_packed_no_boundaries(parent, tokens, extra, tenant_key) -> bytes:
+    """Raw bytes glued together (packed int32 tokens): the parent's bytes run into the tokens'."""
+    data = (parent or b"") + struct.pack(f">{len(tokens)}i", *tokens) + b"".join(
+        e if isinstance(e, bytes) else str(e).encode() for e in extra) + (tenant_key or b"")
+    return hashlib.sha256(data).digest()
+
+
+def hash_ignores_tenant(parent, tokens, extra, tenant_key) -> bytes:
+    """Typed and chained, but the tenant key never reaches the cache key."""
+    return hashlib.sha256(_typed(_DOMAIN, parent, tuple(tokens), tuple(extra))).digest()
+
+
+MUTANTS = {
+    "1a": entries(("untyped", encode_untyped), ("no-length", encode_no_length), ("repr", encode_json_like)),
+    "1b": entries(("untyped-concat", hash_untyped_concat), ("unchained", hash_unchained),
+                  ("packed-no-boundaries", hash_packed_no_boundaries), ("ignores-tenant", hash_ignores_tenant)),
+}

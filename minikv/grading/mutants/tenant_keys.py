@@ -1,0 +1,128 @@
+"""Wrong answers to exercise 2: tenant keys that are guessable, and keys that miss some blocks.
+
+Per-tenant keying only isolates tenants if (a) nobody can compute another tenant's key without
+the engine secret and (b) that key reaches *every* private block's cache key.  The mutants
+break one or the other, the way real engines have (SGLang #23300 dropped the salt entirely);
+a first-block-only key looks right until a public system prompt breaks the chain.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+from ...security.encoding import encode_fields as _typed
+from ._table import entries
+
+# ============================================================================ 2a tenant keys
+
+
+def derive_unkeyed(engine_secret, tenant) -> bytes:
+    """sha256 of the tenant name: anyone who knows a tenant's name can compute its key."""
+    return hashlib.sha256(_typed("tenant", tenant)).digest()
+
+
+def derive_none_is_empty(engine_secret, tenant) -> bytes:
+    """HMAC over the raw name with None -> '': the anonymous tenant shares tenant ''s cache."""
+    if len(engine_secret) < 16:
+        raise ValueError("short secret")
+    return hmac.digest(engine_secret, (tenant or "").encode(), "sha256")
+
+
+def derive_concat(engine_secret, tenant) -> bytes:
+    """secret || tenant: the 'key' carries the engine secret itself."""
+    if len(engine_secret) < 16:
+        raise ValueError("short secret")
+    return bytes(engine_secret) + _typed(tenant)
+
+
+def derive_no_secret_check(engine_secret, tenant) -> bytes:
+    """Correct HMAC, but an empty or 5-byte secret is accepted (brute-forceable keys)."""
+    return hmac.digest(bytes(engine_secret, "utf-8") if isinstance(engine_secret, str) else engine_secret,
+                       _typed("tenant", tenant), "sha256")
+
+
+# ============================================================================ 2b keyed hasher
+
+
+class _KeyedBase:
+    def __init__(self, engine_secret):
+        if len(engine_secret) < 16:
+            raise ValueError("short secret")
+        self._shared = hmac.digest(engine_secret, _typed("shared"), "sha256")
+
+
+class KeyedSaltNeverUsed(_KeyedBase):
+    """HMAC with the shared key only: the tenant key is accepted and dropped (SGLang #23300)."""
+
+    def __call__(self, parent, tokens, extra, tenant_key):
+        return hmac.digest(self._shared, _typed(parent, tuple(tokens), tuple(extra)), "sha256")
+
+
+class KeyedFirstBlockOnly(_KeyedBase):
+    """Keys only the first block and relies on chaining: after a public (unkeyed) system prompt,
+    every private block is shared across tenants."""
+
+    def __call__(self, parent, tokens, extra, tenant_key):
+        key = tenant_key if (parent is None and tenant_key is not None) else self._shared
+        return hmac.digest(key, _typed(parent, tuple(tokens), tuple(extra)), "sha256")
+
+
+class KeyedTruncated(_KeyedBase):
+    """Correct keying, but the key is truncated to 8 bytes 'to save memory'."""
+
+    def __call__(self, parent, tokens, extra, tenant_key):
+        key = self._shared if tenant_key is None else tenant_key
+        return hmac.digest(key, _typed(parent, tuple(tokens), tuple(extra), tenant_key is not None), "sha256")[:8]
+
+
+# ============================================================================ 2c block_keys
+
+
+def keys_salt_last_block_only(hasher, token_ids, block_size, tenant_key=None, public_len=0):
+    """The tenant key reaches only the last full block: the earlier ones stay shared."""
+    n = len(token_ids) // block_size
+    keys, parent = [], None
+    for i in range(n):
+        parent = hasher(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]), (),
+                        tenant_key if i == n - 1 and (i + 1) * block_size > public_len else None)
+        keys.append(parent)
+    return keys
+
+
+def keys_salt_never_passed(hasher, token_ids, block_size, tenant_key=None, public_len=0):
+    """The salt is accepted but never passed to the hasher (SGLang #23300)."""
+    keys, parent = [], None
+    for i in range(len(token_ids) // block_size):
+        parent = hasher(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]), (), None)
+        keys.append(parent)
+    return keys
+
+
+def keys_straddling_block_public(hasher, token_ids, block_size, tenant_key=None, public_len=0):
+    """Off by one: a block that merely *starts* inside the public prefix is treated as public,
+    so its private tail (the first tokens after the system prompt) is shared."""
+    keys, parent = [], None
+    for i in range(len(token_ids) // block_size):
+        key = None if i * block_size < public_len else tenant_key
+        parent = hasher(parent, tuple(token_ids[i * block_size:(i + 1) * block_size]), (), key)
+        keys.append(parent)
+    return keys
+
+
+def keys_unchained(hasher, token_ids, block_size, tenant_key=None, public_len=0):
+    """Every block hashed with parent=None: blocks are reused after a different prefix."""
+    keys = []
+    for i in range(len(token_ids) // block_size):
+        key = None if (i + 1) * block_size <= public_len else tenant_key
+        keys.append(hasher(None, tuple(token_ids[i * block_size:(i + 1) * block_size]), (), key))
+    return keys
+
+
+MUTANTS = {
+    "2a": entries(("unkeyed", derive_unkeyed), ("none-is-empty", derive_none_is_empty), ("concat", derive_concat),
+                  ("no-secret-check", derive_no_secret_check)),
+    "2b": entries(("salt-never-used", KeyedSaltNeverUsed), ("first-block-only", KeyedFirstBlockOnly),
+                  ("truncated", KeyedTruncated)),
+    "2c": entries(("salt-last-block-only", keys_salt_last_block_only), ("salt-never-passed", keys_salt_never_passed),
+                  ("straddling-block-public", keys_straddling_block_public), ("unchained", keys_unchained)),
+}

@@ -1,0 +1,144 @@
+"""Grader for exercise 2: tenant keys (2a), a keyed hasher (2b) and the chain plumbing (2c).
+
+A chained hash stops *accidental* sharing; a tenant key stops *deliberate* probing, but only if
+(a) nobody can compute a tenant's key without the engine secret, and (b) the key reaches every
+private block.  (b) is where engines fail: a key in the first block only seems enough, since
+chaining carries it down -- until an unkeyed public system prompt starts the chain.  Each check
+tests the contract on direct calls, then installs the code in an engine
+(:mod:`.hashing_workload`) and compares with minikv's ``hmac-sha256``.
+"""
+from __future__ import annotations
+
+import itertools
+
+from ..engine.block_manager import BlockManager
+from ..engine.sequence import Sequence
+from ..security.hashing import make_hasher
+from ..security.keys import derive_tenant_key as ref_derive_tenant_key
+from ._report import CheckFailed, call_safely, expect, grader
+from .chained_hash import KEY_A, KEY_B, check_block_hash_properties
+from .hashing_workload import engine_stage_block_keys, engine_stage_hasher, engine_stage_key_derivation, tenant_name
+
+SECRET_A = bytes(range(32))
+SECRET_B = bytes(range(1, 33))
+
+
+# --------------------------------------------------------------------------- 2a tenant keys
+
+@grader("key = HMAC-SHA256(engine_secret, encode_fields(TENANT_LABEL, tenant)); check the secret's type and length first.")
+def check_tenant_key_derivation(derive_tenant_key) -> str:
+    """Exercise 2a: a server-side PRF of (secret, tenant); then used by a real engine."""
+    tenants = ["alice", "bob", "", None, "alice ", "Alice", "a", "lice"]
+    k = derive_tenant_key(SECRET_A, "alice")
+    expect(isinstance(k, bytes), f"derive_tenant_key returned {type(k).__name__}, expected bytes")
+    expect(len(k) >= 16, f"the key has {len(k)} bytes; an HMAC-SHA256 key has 32", "return the full HMAC digest.")
+    expect(derive_tenant_key(SECRET_A, "alice") == k, "two calls for the same tenant gave different keys",
+           "derive the key deterministically from (secret, tenant), or the tenant never hits its own cache.")
+    keys = {t: derive_tenant_key(SECRET_A, t) for t in tenants}
+    for a, b in itertools.combinations(tenants, 2):
+        expect(keys[a] != keys[b], f"tenants {tenant_name(a)} and {tenant_name(b)} got the same key",
+               "encode the tenant with a typed encoding (None and '' must differ) before the HMAC.")
+    for t in ("alice", None):
+        expect(derive_tenant_key(SECRET_B, t) != keys[t],
+               f"two different engine secrets gave tenant {tenant_name(t)} the same key: anyone who knows the "
+               "tenant's name can compute it", "use the engine secret as the HMAC key.")
+    for t, key in keys.items():
+        expect(SECRET_A not in key and key not in SECRET_A,
+               f"the key of tenant {tenant_name(t)} contains the engine secret (or is part of it)",
+               "never put the secret itself into a key: run it through HMAC.")
+    for bad, exc_type, what in ((b"short", ValueError, "a 5-byte secret"), (b"", ValueError, "an empty secret"),
+                                ("x" * 32, TypeError, "a str secret")):
+        _, exc = call_safely(derive_tenant_key, bad, "alice")
+        expect(isinstance(exc, exc_type), f"derive_tenant_key accepted {what} "
+               f"({'no error' if exc is None else type(exc).__name__}); expected {exc_type.__name__}",
+               "reject secrets that are not bytes (TypeError) or shorter than 16 bytes (ValueError): "
+               "a short secret can be brute-forced, and then every tenant key with it.")
+    # Compare with the reference derivation: equal exactly when the reference keys are equal.
+    grid = [(s, t) for s in (SECRET_A, SECRET_B) for t in tenants]
+    for (s1, t1), (s2, t2) in itertools.combinations(grid, 2):
+        same_ref = ref_derive_tenant_key(s1, t1) == ref_derive_tenant_key(s2, t2)
+        expect((derive_tenant_key(s1, t1) == derive_tenant_key(s2, t2)) == same_ref,
+               f"keys for {tenant_name(t1)} and {tenant_name(t2)} compare differently from the reference")
+    engine_stage_key_derivation(derive_tenant_key)
+    return (f"{len(tenants)} tenants x 2 secrets give distinct 32-byte keys; short secrets rejected; "
+            f"the engine with your keys isolates tenants both ways")
+
+
+# --------------------------------------------------------------------------- 2b keyed hasher
+
+@grader("hmac.digest(tenant_key or self._shared_key, encode_fields(BLOCK_LABEL, parent, tuple(tokens), "
+        "tuple(extra), tenant_key is not None), 'sha256') -- in EVERY block.")
+def check_tenant_keyed_hasher(hasher_cls) -> str:
+    """Exercise 2b: a keyed BlockHasher; the key must enter every block (shared prefixes!)."""
+    _, exc = call_safely(hasher_cls, b"short")
+    expect(isinstance(exc, ValueError), "TenantKeyedHasher(b'short') did not raise ValueError",
+           "refuse engine secrets shorter than 16 bytes.")
+    h = hasher_cls(SECRET_A)
+    check_block_hash_properties(h, "TenantKeyedHasher(secret)")
+    expect(hasher_cls(SECRET_A)(None, (1, 2), (), KEY_A) == h(None, (1, 2), (), KEY_A),
+           "two hashers built from the same secret disagree", "no randomness: keys must survive a restart.")
+    expect(h(None, (1, 2, 3, 4), (), KEY_A) != h(None, (1, 2, 3, 4), (), KEY_B),
+           "two tenant keys gave the same key for the first block: the tenant key never reaches the hash",
+           "key the HMAC with tenant_key.")
+    parent = b"\x07" * 32
+    expect(h(parent, (1, 2, 3, 4), (), KEY_A) != h(parent, (1, 2, 3, 4), (), KEY_B),
+           "with a parent, two tenant keys gave the same key: the tenant key only enters the first block",
+           "key every block.  Chaining carries a first-block key down the chain only while every parent is "
+           "keyed: after an operator-declared public prefix (unkeyed blocks) or with chain_hashes=False, "
+           "the private blocks that follow would be shared across tenants.")
+    expect(h(parent, (1, 2, 3, 4), (), None) != h(parent, (1, 2, 3, 4), (), KEY_A),
+           "a shared block (tenant_key=None) and a tenant block got the same key",
+           "use the shared key derived from the secret when tenant_key is None.")
+    expect(hasher_cls(SECRET_B)(None, (1, 2, 3, 4), (), None) != h(None, (1, 2, 3, 4), (), None),
+           "shared blocks (tenant_key=None) get the same key under two different engine secrets: they are not "
+           "keyed, so anyone can compute them", "derive a shared key from the secret in __init__ (SHARED_LABEL).")
+    cached, log = engine_stage_hasher(h, "hmac-sha256")
+    return (f"keyed in every block; with a public system prompt the engine shares exactly its "
+            f"{len(log.public)} public block hits and no private block ({sum(cached)} cached tokens, as hmac-sha256)")
+
+
+# --------------------------------------------------------------------------- 2c plumbing
+
+def _engine_keys(hasher, token_ids, block_size, tenant_key, public_len) -> list[bytes]:
+    """What the engine's BlockManager computes for these tokens (the reference)."""
+    bm = BlockManager(1, block_size, hasher=hasher, enable_caching=True)
+    seq = Sequence("grade", list(token_ids), None, tenant_key=tenant_key)
+    seq.public_len = public_len
+    return [bm.block_hash(seq, i) for i in range(len(token_ids) // block_size)]
+
+
+@grader("parent = None; for each full block i: key = hasher(parent, block_i, (), None if (i+1)*bs <= public_len "
+        "else tenant_key); parent = key.")
+def check_block_keys(block_keys) -> str:
+    """Exercise 2c: the chain plumbing equals the engine's, then isolates inside the engine."""
+    hasher = make_hasher("hmac-sha256", SECRET_A)
+    tokens = list(range(50, 63))  # 13 tokens: 3 full blocks of 4 and a partial one
+    cases = [(n, bs, key, pub) for n in (0, 3, 4, 8, 13) for bs in (4,) for key in (KEY_A, None)
+             for pub in (0, 4, 6, 8, 100)] + [(13, 2, KEY_A, 5), (13, 16, KEY_A, 0)]
+    for n, bs, key, pub in cases:
+        ids = tokens[:n]
+        got = list(block_keys(hasher, ids, bs, key, pub))
+        want = _engine_keys(hasher, ids, bs, key, pub)
+        where = f"{n} tokens, block size {bs}, tenant_key={'KEY' if key else None}, public_len={pub}"
+        expect(len(got) == len(want), f"{len(got)} keys for {where}; the engine has {len(want)} full blocks",
+               "one key per FULL block: len(token_ids) // block_size of them; a partial block has no key.")
+        for i, (g, w) in enumerate(zip(got, want)):
+            if g == w:
+                continue
+            parent = want[i - 1] if i else None
+            block = tuple(ids[i * bs:(i + 1) * bs])
+            public = (i + 1) * bs <= pub
+            diag = {
+                hasher(parent, block, (), None): ("block {i} was hashed without the tenant key",
+                                                  "pass tenant_key to every block after the public prefix (not only "
+                                                  "the last, not never): unkeyed blocks are shared across tenants."),
+                hasher(parent, block, (), key): ("block {i} lies inside the public prefix but was hashed with the "
+                                                 "tenant key", "blocks entirely inside public_len get tenant_key=None."),
+                hasher(None, block, (), None if public else key): ("block {i} was hashed without its parent",
+                                                                   "chain: parent = the previous block's key."),
+            }
+            what, hint = diag.get(g, ("block {i}'s key differs from the engine's", ""))
+            raise CheckFailed(f"{what.format(i=i)} ({where})", hint)
+    engine_stage_block_keys(block_keys)
+    return (f"{len(cases)} prompts give the engine's exact keys; installed in the engine, tenants share only "
+            f"the public prefix")

@@ -173,3 +173,19 @@ def test_quota_keeps_a_noisy_tenant_from_evicting_a_neighbour():
         llm.engine.check_invariants()
     assert results[None] == 0, "without a quota the flood should evict the victim's cache"
     assert results[8] > 0, "with a quota the victim's cache should survive"
+
+
+@pytest.mark.model
+def test_shared_prefix_survives_a_bpe_merge_at_its_boundary(smollm2_path):
+    """The public text ends in a space, which BPE merges into the user's first word: the
+    prompt's tokens then match the public prefix's tokens except the last one.  Blocks made
+    only of matching tokens are still public; nothing after them is."""
+    system = "You are the support assistant of ACME Corp. Answer politely and cite the policy. " * 3
+    llm = _quiet_llm("smollm2-135m-instruct", enable_prefix_caching=True, shared_prefixes=[system])
+    tok = llm.get_tokenizer()
+    public, prompt = tok(system).input_ids, tok(system + "order refund?").input_ids
+    assert prompt[:len(public)] != public, "the example must actually merge at the boundary"
+    llm.generate(system + "order refund?", P, tenant="alice")
+    out = llm.generate(system + "order refund?", P, tenant="bob")[0]
+    common = next(i for i, (a, b) in enumerate(zip(prompt, public)) if a != b)
+    assert out.num_cached_tokens == common // 16 * 16 > 0

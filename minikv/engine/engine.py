@@ -21,7 +21,7 @@ import torch
 from ..models.hub import resolve_model
 from ..security.hashing import make_hasher
 from ..security.keys import derive_operator_key, derive_tenant_key, new_engine_secret
-from ..security.scrub import NoScrub, make_scrubber
+from ..security.scrub import make_scrubber
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .kv_pool import KVPool, bytes_per_token
@@ -51,7 +51,7 @@ class LLMEngine:
         scrubber = c.scrubber if c.scrubber is not None else make_scrubber(c.scrub)
         self.scrubber = scrubber
         self.pool = KVPool(s.num_layers, self.num_blocks, c.block_size, s.num_kv_heads, s.head_dim,
-                           self.dtype, self.device, zero_init=not isinstance(scrubber, NoScrub))
+                           self.dtype, self.device)
         self._secret = c.engine_secret or new_engine_secret()  # never logged or returned
         hasher = c.block_hasher if c.block_hasher is not None else make_hasher(c.hash_algo, self._secret)
         self.block_manager = BlockManager(
@@ -161,7 +161,7 @@ class LLMEngine:
         seq = Sequence(request_id, ids, params, tenant=tenant, prompt=text,
                        tenant_key=self.tenant_key(tenant) if iso == "tenant" else None,
                        cacheable=iso != "request")
-        seq.public_len = max((len(p) for p in self._shared_prefixes if ids[:len(p)] == p), default=0)
+        seq.public_len = max((_common_prefix_len(ids, p) for p in self._shared_prefixes), default=0)
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._rng))
         seq.generator = torch.Generator(device=self.device).manual_seed(seed)
         return seq
@@ -287,3 +287,15 @@ class LLMEngine:
 
     def check_invariants(self) -> None:
         self.block_manager.check_invariants(list(self.scheduler.running))
+
+
+def _common_prefix_len(ids: list[int], public: list[int]) -> int:
+    """How many leading tokens of ``ids`` equal the public prefix's.  Token-wise, not all-or-
+    nothing: BPE often merges the public text's last token with the user's first word, and
+    tokens that equal the public text's are public content whatever follows them."""
+    n = 0
+    for a, b in zip(ids, public):
+        if a != b:
+            break
+        n += 1
+    return n

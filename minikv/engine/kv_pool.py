@@ -24,16 +24,16 @@ def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: to
 
 class KVPool:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str, zero_init: bool = True):
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
-        # zero_init=False (scrub="none") keeps torch.empty's uninitialised memory: whatever the
-        # allocator last held is visible.  A safe configuration never hands that to a request.
-        alloc = torch.zeros if zero_init else torch.empty
+        # Zeros, never torch.empty: uninitialised memory would hold whatever the allocator had
+        # before (another process's data on a GPU) and make every unmasked read irreproducible.
+        # What scrubbing is about is different: data that *requests* wrote and then freed.
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        self.k_cache = alloc(shape, dtype=dtype, device=self.device)
-        self.v_cache = alloc(shape, dtype=dtype, device=self.device)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
 
     @property
     def nbytes(self) -> int:

@@ -17,7 +17,7 @@ from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "course" / "figures" / "thumbs"
-THUMB_FIGURE: dict[str, int] = {}  # lesson number -> index of the PNG output to use
+THUMB_FIGURE: dict[str, int] = {"02": 2}  # lesson number -> index of the PNG output to use
 WIDTH = 320
 
 

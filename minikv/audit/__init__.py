@@ -11,7 +11,7 @@ must not drag in scipy, httpx or matplotlib through this package's ``__init__``.
 """
 from __future__ import annotations
 
-import importlib
+from .._lazy import lazy_exports
 
 _EXPORTS = {
     "GU_ALPHA": "stats", "AuditResult": "stats", "audit_samples": "stats", "ks_test": "stats",
@@ -26,10 +26,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS, globals())

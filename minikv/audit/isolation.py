@@ -53,7 +53,7 @@ rest, so ``from minikv.audit.isolation import audit_engine, audit_server`` keeps
 from __future__ import annotations
 
 import hashlib
-import importlib
+from .._lazy import lazy_exports
 import json
 import os
 import random
@@ -226,10 +226,4 @@ _EXPORTS = {"audit_engine": "isolation_engine", "_as_engine": "isolation_engine"
             "add_isolation_parser": "isolation_cli", "_cmd_isolation": "isolation_cli"}
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __package__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__package__, _EXPORTS, globals())

@@ -11,7 +11,7 @@ or torch.
 """
 from __future__ import annotations
 
-import importlib
+from .._lazy import lazy_exports
 
 _EXPORTS = {
     "create_app": "app", "BackgroundServer": "app", "ApiKeys": "app", "load_api_keys": "app",
@@ -22,10 +22,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -32,7 +32,8 @@ TARGETS = {"throughput_ratio": ">= 1.0", "ttft_hit_over_miss": "<= 0.15",
 
 def _random_prompts(vocab: int, n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    return [[rng.randrange(1000, vocab - 1000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+    edge = min(1000, vocab // 4)  # avoid special and rare ids at both ends of the vocabulary
+    return [[rng.randrange(edge, vocab - edge) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
 def _sync(device):
@@ -71,7 +72,6 @@ def bench_throughput(llm: LLM, model_path, n=16, max_tokens=64, seed=0) -> dict:
         tokens = fn()
         _sync(eng.device)
         res[name] = tokens / (time.perf_counter() - t0)
-    del hf
     return {"throughput_ratio": res["minikv"] / res["transformers"],
             "tokens_per_request": max_tokens, "requests": n, "threads": torch.get_num_threads(),
             "prompt_tokens": sum(map(len, prompts)), "padded_prompt_tokens": width * n}
@@ -97,7 +97,7 @@ def bench_ttft(model: str, device, dtype, repeats=3, seed=0) -> dict:
             "system_prompt_tokens": len(system)}
 
 
-def bench_isolation(llm: LLM, model: str, device, dtype, tenants=(1, 4, 16, 64), seed=0) -> dict:
+def bench_isolation(llm: LLM, tenants=(1, 4, 16, 64), seed=0) -> dict:
     from .security.hashing import make_hasher
 
     eng = llm.engine
@@ -123,45 +123,40 @@ def bench_isolation(llm: LLM, model: str, device, dtype, tenants=(1, 4, 16, 64),
     # Scrub time vs end-to-end time on the throughput workload (scrub calls timed by the engine).
     prompts = _random_prompts(vocab, 16, 32, 512, seed)
     for policy in ("on_alloc", "on_free"):
-        sllm = LLM(model, device=device, dtype=dtype, scrub=policy)
+        sllm = llm.fork(scrub=policy)
         sllm.generate(prompts[:2], SamplingParams(max_tokens=2, temperature=0.0))
         sllm.engine.stats["scrub_s"] = 0.0
         t0 = time.perf_counter()
         sllm.generate(prompts, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
         sllm.generate(prompts, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))  # reuses freed blocks
         out[f"scrub_over_e2e[{policy}]"] = sllm.engine.stats["scrub_s"] / (time.perf_counter() - t0)
-        del sllm
     out["scrub_over_e2e"] = max(v for k, v in out.items() if k.startswith("scrub_over_e2e["))
-    out["hit_rate"] = hit_rate_vs_tenants(model, device, dtype, tenants, seed)
+    out["hit_rate"] = hit_rate_vs_tenants(llm, tenants, seed)
     return out
 
 
-def hit_rate_vs_tenants(model, device, dtype, tenants=(1, 4, 16, 64), seed=0, questions_per_tenant=2) -> dict:
-    """Prefix-cache hit rate (cached / prompt tokens) when N tenants share one system prompt."""
-    rng = random.Random(seed)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UnsafeSettingWarning)
-        probe = LLM(model, device=device, dtype=dtype)
-    tok = probe.get_tokenizer()
+def hit_rate_vs_tenants(base: LLM, tenants=(1, 4, 16, 64), seed=0, questions_per_tenant=2) -> dict:
+    """Prefix-cache hit rate (cached / prompt tokens) when N tenants share one system prompt.
+    Each configuration is a fork of ``base``: a fresh pool, the same weights."""
     system = "You are the support assistant of ACME Corp. Answer politely, cite the policy, never share data. " * 3
     words = "order refund shipping invoice account password delivery warranty".split()
-    results: dict[str, dict[int, float]] = {}
-    for label, kwargs in (("shared (unsafe)", dict(cache_isolation="shared")),
-                          ("tenant", dict(cache_isolation="tenant")),
-                          ("tenant + shared_prefixes", dict(cache_isolation="tenant", shared_prefixes=[system]))):
-        results[label] = {}
-        for n in tenants:
+    policies = (("shared (unsafe)", dict(cache_isolation="shared")),
+                ("tenant", dict(cache_isolation="tenant")),
+                ("tenant + shared_prefixes", dict(cache_isolation="tenant", shared_prefixes=[system])))
+    results: dict[str, dict[int, float]] = {label: {} for label, _ in policies}
+    for n in tenants:
+        rng = random.Random(seed + n)  # the same requests for every policy: a fair comparison
+        reqs = [(f"t{t}", system + " ".join(rng.choice(words) for _ in range(8)) + "?")
+                for _ in range(questions_per_tenant) for t in range(n)]
+        for label, kwargs in policies:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UnsafeSettingWarning)
-                llm = LLM(model, device=device, dtype=dtype, enable_prefix_caching=True, **kwargs)
-            reqs = [(f"t{t}", system + " ".join(rng.choice(words) for _ in range(8)) + "?")
-                    for _ in range(questions_per_tenant) for t in range(n)]
+                llm = base.fork(enable_prefix_caching=True, **kwargs)
             cached = total = 0
             for tenant, prompt in reqs:
                 o = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0), tenant=tenant)[0]
                 cached, total = cached + o.num_cached_tokens, total + len(o.prompt_token_ids)
             results[label][n] = cached / total
-    del tok
     return results
 
 
@@ -184,7 +179,7 @@ def main(argv=None) -> int:
     if "ttft" in sections:
         report["ttft"] = bench_ttft(args.model, args.device, args.dtype)
     if "isolation" in sections:
-        report["isolation"] = bench_isolation(llm, args.model, args.device, args.dtype)
+        report["isolation"] = bench_isolation(llm)
     print(format_report(report))
     if args.json:
         with open(args.json, "w") as f:

@@ -150,8 +150,18 @@ def reference_greedy(engine, prompt_ids: list[int], max_tokens: int = 4) -> tupl
     return toks, logits
 
 
-def _first_divergence(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+class _VersusReference:
+    """What a victim run's output lost, compared with its cache-off reference.  Mixed into the
+    result classes below, which hold ``victim``, ``reference_tokens`` and ``reference_logits``."""
+
+    @property
+    def first_divergence(self) -> int | None:
+        pairs = zip(self.victim.token_ids, self.reference_tokens)
+        return next((i for i, (x, y) in enumerate(pairs) if x != y), None)
+
+    @property
+    def max_logit_diff(self) -> float:
+        return max(float((a - b).abs().max()) for a, b in zip(self.victim.logits, self.reference_logits))
 
 
 def fit_block(ids: list[int], block_size: int, pad_id: int) -> list[int]:
@@ -164,7 +174,7 @@ def fit_block(ids: list[int], block_size: int, pad_id: int) -> list[int]:
 
 
 @dataclass
-class ContaminationResult:
+class ContaminationResult(_VersusReference):
     """Victim = ``first_b + shared + tail``; the cache held ``shared`` computed after ``first_a``."""
 
     victim: ReuseRun
@@ -175,14 +185,6 @@ class ContaminationResult:
     def contaminated(self) -> bool:
         """A hit reused a block computed in another context (tokens equal, parent different)."""
         return any(h.tokens_match and not h.context_match for h in self.victim.hits)
-
-    @property
-    def first_divergence(self) -> int | None:
-        return _first_divergence(self.victim.token_ids, self.reference_tokens)
-
-    @property
-    def max_logit_diff(self) -> float:
-        return max(float((a - b).abs().max()) for a, b in zip(self.victim.logits, self.reference_logits))
 
 
 def contamination_demo(engine, first_a: list[int], first_b: list[int], shared: list[int],
@@ -216,7 +218,7 @@ def contamination_demo(engine, first_a: list[int], first_b: list[int], shared: l
 
 
 @dataclass
-class PoisonResult:
+class PoisonResult(_VersusReference):
     """The attacker primed ``block_a``; the victim sent ``block_b`` (+ its tail)."""
 
     block_a: tuple[int, ...]
@@ -230,14 +232,6 @@ class PoisonResult:
     def poisoned(self) -> bool:
         """The victim's request reused a block holding the attacker's (different) tokens."""
         return any(not h.tokens_match for h in self.victim.hits)
-
-    @property
-    def first_divergence(self) -> int | None:
-        return _first_divergence(self.victim.token_ids, self.reference_tokens)
-
-    @property
-    def max_logit_diff(self) -> float:
-        return max(float((a - b).abs().max()) for a, b in zip(self.victim.logits, self.reference_logits))
 
 
 def poison_with_collision(engine, block_a, block_b, victim_tail: list[int],

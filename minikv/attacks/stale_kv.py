@@ -2,21 +2,10 @@
 
 Lesson 05 (``course/05_leak_stale_blocks.ipynb``) uses everything here.  Two halves:
 
-**The inversion** (attacker side, needs only the model weights, which are public).  At layer 0
-nothing has mixed tokens yet, so a slot's K/V is a function of *one* token (and, for K, its
-position)::
-
-    V0(t)    = W_v . RMSNorm(embed[t])                 (the same vector at every position)
-    K0(t, p) = RoPE_p( W_k . RMSNorm(embed[t]) )       (a rotation of a fixed vector)
-
-:func:`layer0_kv_table` tabulates both for the whole vocabulary; :func:`invert_layer0` matches
-observed slots against the table: nearest neighbour for V, and for K a rotation-invariant
-signature (RoPE rotates pairs of coordinates, so each pair's length is position-free) followed
-by an exhaustive position search done as one matrix product.  Input: K or V bytes only --
-no token ids, no positions, no block metadata.  Output: token ids (``-1`` for a slot that
-matches no token: zeros, never-written memory) and, for K, the position each token had.
-This is the simplest case of the reconstruction attacks of "Shadow in the Cache" (Luo et al.,
-NDSS 2026): at layer 0 a single lookup over the vocabulary suffices.
+**The inversion** (attacker side, needs only the public model weights): at layer 0 a slot's
+K/V depend on one token (and, for K, its position), so a lookup over the vocabulary turns the
+bytes back into text -- the simplest case of "Shadow in the Cache" (Luo et al., NDSS 2026).
+How and why it works is explained in :mod:`minikv.attacks.kv_inversion`.
 
 **The bugs** (engine side, deliberately wrong, used only by the lesson and its tests).  The
 engine itself is correct; these helpers re-create two realistic bug classes on top of it:

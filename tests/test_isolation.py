@@ -20,9 +20,7 @@ BS = 4
 
 
 def _llm(**kw):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UnsafeSettingWarning)
-        return LLM("tiny-random", device="cpu", dtype="float32", block_size=BS, enable_prefix_caching=True, **kw)
+    return _quiet_llm("tiny-random", block_size=BS, enable_prefix_caching=True, **kw)
 
 
 class HitLog:

@@ -28,6 +28,9 @@ from .sequence import Sequence
 from .snapshot import BlockView, PoolSnapshot
 
 
+ALL_TENANTS = object()  # "no tenant filter" (None is a real tenant: the anonymous one)
+
+
 @dataclass(eq=False)
 class Block:
     block_id: int
@@ -224,6 +227,13 @@ class BlockManager:
             stored.append(block.block_id)
         self._emit("store", stored, seq)
         self._enforce_quota(seq.tenant, seq)
+
+    def evict_cached(self, tenant=ALL_TENANTS) -> int:
+        """Evict every cached, unreferenced block (only ``tenant``'s, if given); return how many."""
+        ids = [b for b in self.cached_free if tenant is ALL_TENANTS or self.blocks[b].writer_tenant == tenant]
+        for bid in ids:
+            self._evict(bid, None)
+        return len(ids)
 
     def _enforce_quota(self, tenant: str | None, seq: Sequence | None) -> None:
         if self.max_cached_per_tenant is None:

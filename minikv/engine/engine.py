@@ -22,7 +22,7 @@ from ..models.hub import resolve_model
 from ..security.hashing import make_hasher
 from ..security.keys import derive_operator_key, derive_tenant_key, new_engine_secret
 from ..security.scrub import make_scrubber
-from .block_manager import BlockManager
+from .block_manager import ALL_TENANTS, BlockManager
 from .config import EngineConfig
 from .kv_pool import KVPool, bytes_per_token
 from .loader import load_model, resolve_dtype
@@ -104,14 +104,10 @@ class LLMEngine:
         cfg = dataclasses.replace(self.config, device=str(self.device), dtype=self.dtype, **overrides)
         return LLMEngine(cfg, weights=(self.model, self.tokenizer, self.hf_config))
 
-    def reset_prefix_cache(self, tenant: str | None = ..., ) -> int:
+    def reset_prefix_cache(self, tenant=ALL_TENANTS) -> int:
         """Evict every cached, unreferenced block (or only those written by ``tenant``), as
         vLLM's ``reset_prefix_cache`` does.  Returns how many blocks were evicted."""
-        bm = self.block_manager
-        ids = [b for b in bm.cached_free if tenant is ... or bm.blocks[b].writer_tenant == tenant]
-        for bid in ids:
-            bm._evict(bid, None)
-        return len(ids)
+        return self.block_manager.evict_cached(tenant)
 
     def new_request_id(self) -> str:
         return str(next(self._ids))

@@ -23,12 +23,14 @@ MODEL = "tiny"
 ALICE = {"Authorization": "Bearer sk-alice"}
 ALICE2 = {"Authorization": "Bearer sk-alice-2"}
 BOB = {"Authorization": "Bearer sk-bob"}
+OPERATORS = {"op-secret": "ops"}
+OPERATOR = {"Authorization": "Bearer op-secret"}
 
 
 @pytest.fixture(scope="module")
 def server(tiny_path):
     llm = LLM(str(tiny_path), enable_prefix_caching=True, num_blocks=512, block_size=16, seed=0)
-    app = create_app(llm, KEYS, model_name=MODEL, report_cached_tokens=True)
+    app = create_app(llm, KEYS, model_name=MODEL, report_cached_tokens=True, operator_keys=OPERATORS)
     with BackgroundServer(app) as srv:
         yield srv
 
@@ -373,12 +375,19 @@ def test_logs_never_contain_prompt_text(tiny_path):
 
 def test_metrics_endpoint(server, client):
     complete(client, "metrics please", max_tokens=3, ignore_eos=True)
-    text = httpx.get(server.url + "/metrics").text
+    # A side channel: no key, or a tenant's key, gets nothing; an operator key gets the counters.
+    assert httpx.get(server.url + "/metrics").status_code == 401
+    assert httpx.get(server.url + "/metrics", headers=ALICE).status_code == 401
+    r = httpx.get(server.url + "/metrics", headers=OPERATOR)
+    assert r.status_code == 200
+    text = r.text
     for name in ("minikv_requests_total", "minikv_prompt_tokens_total", "minikv_cached_prompt_tokens_total",
                  "minikv_generation_tokens_total", "minikv_num_requests_running",
                  "minikv_num_requests_waiting", "minikv_time_to_first_token_seconds_bucket"):
         assert name in text, name
     assert 'minikv_requests_total{endpoint="/v1/completions",status="200"}' in text
+    # Per-tenant counters: fine here, because only operators can read them.
+    assert 'minikv_tenant_requests_finished_total{finish_reason="length",tenant="alice"}' in text
 
 
 def test_each_app_has_its_own_registry(tiny_path):

@@ -2,6 +2,9 @@
 
 * ``app``     -- FastAPI app: endpoints, API-key -> tenant resolution, errors (``create_app``),
                  and ``BackgroundServer`` (uvicorn in a thread on 127.0.0.1, for tests/notebooks)
+* ``auth``    -- API keys -> tenant, the strict keys-file loader (``ApiKeys``, ``load_api_keys``)
+* ``limits``  -- per-tenant limits: rate, concurrency, queue, decode budget (``ServeLimits``)
+* ``tokenize`` -- prompt tokenization on a worker thread, control-token checks for chat
 * ``runner``  -- the engine loop thread and the asyncio bridge (``EngineRunner``)
 * ``metrics`` -- Prometheus metrics in a per-app registry (``ServerMetrics``)
 * ``cli``     -- ``minikv serve`` flags, shared engine/policy flags (``add_serve_parser``)
@@ -14,8 +17,9 @@ from __future__ import annotations
 from .._lazy import lazy_exports
 
 _EXPORTS = {
-    "create_app": "app", "BackgroundServer": "app", "ApiKeys": "app", "load_api_keys": "app",
-    "APIError": "app", "EngineRunner": "runner", "RequestRejected": "runner",
+    "create_app": "app", "create_metrics_app": "app", "BackgroundServer": "background",
+    "ApiKeys": "auth", "load_api_keys": "auth", "ServeLimits": "limits", "APIError": "protocol",
+    "EngineRunner": "runner", "RequestFailed": "runner", "RequestRejected": "runner",
     "EngineUnavailable": "runner", "ServerMetrics": "metrics", "add_serve_parser": "cli",
     "add_engine_arguments": "cli", "engine_kwargs_from_args": "cli",
 }

@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP server: ``/v1/completions``, ``/v1/chat/completions``,
-``/v1/models``, ``/health`` and ``/metrics``.
+``/v1/models``, ``/health`` and (for operators only) ``/metrics``.
 
     app = create_app(LLM("tiny-random", enable_prefix_caching=True), {"sk-alice": "alice"})
     with BackgroundServer(app) as srv:          # uvicorn on 127.0.0.1, a free port, own thread
@@ -24,13 +24,32 @@ whose single thread steps the engine, so concurrent requests share one continuou
 client that disconnects has its request aborted (``engine.abort_request``), streaming or not
 (:mod:`minikv.serve.streaming`).
 
+One request's path, cheapest check first
+-----------------------------------------
+A tenant must not be able to slow the others down, not even with requests that are refused
+anyway, so every check runs before the next, more expensive step (:mod:`minikv.serve.limits`):
+
+1. API key -> tenant (401), then the tenant's request rate (429), then ``Content-Length`` (413):
+   nothing of the body has been read yet;
+2. a concurrency slot of the tenant's (429 when too many already wait);
+3. the body: strict JSON, field validation, prompt size caps (400), the tenant's decode budget;
+4. tokenization, on a worker thread of its own (:mod:`minikv.serve.tokenize`), which also
+   refuses prompts longer than the context;
+5. only then the engine thread, which admits requests fair-share across tenants.
+
 Errors
 ------
-Every error is OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``: 401 for a
-missing/unknown key, 413 for a body over ``max_body_bytes``, 400 for malformed JSON or bad
-parameters (including what the engine's own validation rejects), 404 for an unknown model or
-path.  A bad request never disturbs the others: validation (:mod:`minikv.serve.protocol`) happens
-before anything is allocated.
+Every error is OpenAI-shaped, ``{"error": {"message", "type", "param", "code"}}``
+(:mod:`minikv.serve.middleware`): 400 for malformed input, 401 for a missing/unknown key, 404
+for an unknown model or path, 413 for a body over the limit, 429 with ``Retry-After`` over a
+tenant limit, 500 when the engine failed this one request (the others go on), 503 when the
+engine is down.  No malformed input ever produces a 500.
+
+Metrics
+-------
+``/metrics`` is a side channel (:mod:`minikv.serve.metrics`), so it answers only to operator
+keys (``operator_keys``, a second keys file); without them it is 404 here, and ``minikv serve
+--metrics-port`` serves it on a separate, operator-only address instead (:func:`create_metrics_app`).
 
 Logs carry request ids, tenants and token counts -- never prompt or completion text.
 """
@@ -43,73 +62,79 @@ from contextlib import asynccontextmanager
 from typing import Any, Mapping
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi.responses import JSONResponse, Response
 
-# load_api_keys, BackgroundServer and CHAT_ROLES are re-exported: they used to live here.
-from .auth import ApiKeys, load_api_keys  # noqa: F401
-from .background import BackgroundServer  # noqa: F401
+from .auth import ApiKeys
+from .limits import ServeLimits, TenantLimiter
 from .metrics import ServerMetrics
-from .protocol import (CHAT_ROLES, APIError, _chat_messages, _completion_prompt, _field,  # noqa: F401
-                       _sampling_params, error_body, read_json)
-from .runner import ChatPrompt, EngineRunner, EngineUnavailable, RequestRejected
+from .middleware import (GuardedStreamingResponse, MetricsMiddleware, QueryStringGuard,
+                         install_error_handlers)
+from .protocol import (APIError, _chat_messages, _completion_prompt, _field, _sampling_params,
+                       check_content_length, error_body, read_json)
+from .runner import EngineRunner, EngineUnavailable, RequestFailed, RequestRejected
 from .streaming import _ClientGone, _Delta, run_to_end, sse
+from .tokenize import ChatPrompt, PromptEncoder
 
 log = logging.getLogger("minikv.serve")
 
-DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB
 DEFAULT_CHAT_MAX_TOKENS = 256
 
 
-# ---------------------------------------------------------------------------------------- app
-class _MetricsMiddleware:
-    """Pure ASGI (not BaseHTTPMiddleware, which breaks streaming disconnect detection): counts
-    requests per endpoint and status code."""
-
-    ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
-
-    def __init__(self, app, metrics: ServerMetrics):
-        self.app, self.metrics = app, metrics
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path = scope.get("path", "")
-        endpoint = path if path in self.ENDPOINTS else ("/v1/models/{id}" if path.startswith("/v1/models/")
-                                                        else "other")
-        status = {"code": 500}
-
-        async def _send(message):
-            if message["type"] == "http.response.start":
-                status["code"] = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, _send)
-        finally:
-            self.metrics.requests.labels(endpoint=endpoint, status=str(status["code"])).inc()
+def _keys(keys: ApiKeys | Mapping[str, str] | None) -> ApiKeys | None:
+    return keys if keys is None or isinstance(keys, ApiKeys) else ApiKeys(keys)
 
 
-def _error_response(exc: APIError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
-    return JSONResponse(error_body(exc.message, exc.type, exc.param, exc.code), status_code=exc.status,
-                        headers=headers)
+def _require(keys: ApiKeys, request: Request, who: str) -> str:
+    # The raw header bytes, compared as UTF-8 (Starlette would decode them as latin-1).
+    raw = next((v for k, v in request.scope["headers"] if k == b"authorization"), None)
+    name = keys.resolve(raw)
+    if name is None:
+        raise APIError(401, f"invalid or missing {who} key (send 'Authorization: Bearer <key>')",
+                       code="invalid_api_key")
+    return name
+
+
+def _metrics_response(metrics: ServerMetrics) -> Response:
+    data, content_type = metrics.render()
+    return Response(data, media_type=content_type)
+
+
+def create_metrics_app(metrics: ServerMetrics, operator_keys: ApiKeys | Mapping[str, str] | None = None) -> FastAPI:
+    """``/metrics`` alone, for an operator-only address (``minikv serve --metrics-port``).
+    With ``operator_keys`` it also demands an operator key; without, the address itself is
+    the protection -- keep it on loopback or behind a firewall."""
+    keys = _keys(operator_keys)
+    app = FastAPI(title="minikv-metrics", docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(app)
+
+    @app.get("/metrics")
+    async def metrics_route(request: Request):
+        if keys is not None:
+            _require(keys, request, "operator")
+        return _metrics_response(metrics)
+
+    return app
 
 
 def create_app(llm_or_engine, api_keys: ApiKeys | Mapping[str, str], *, model_name: str | None = None,
-               report_cached_tokens: bool = False, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               report_cached_tokens: bool = False, limits: ServeLimits | None = None,
+               operator_keys: ApiKeys | Mapping[str, str] | None = None,
                metrics: ServerMetrics | None = None, runner: EngineRunner | None = None) -> FastAPI:
     """Build the FastAPI app around an ``LLM`` or ``LLMEngine``.
 
     ``report_cached_tokens`` adds ``usage.prompt_tokens_details.cached_tokens``: useful to
     operators and auditors, and an explicit cache-hit oracle for clients -- under tenant
-    isolation it only ever reveals a tenant's own hits.
-    The engine runner starts with the app (lifespan) and stops with it.
+    isolation it only ever reveals a tenant's own hits.  ``limits`` are the per-tenant and
+    per-request limits (:class:`ServeLimits`; its defaults when None).  ``operator_keys``
+    unlock ``/metrics``.  The engine runner starts with the app (lifespan) and stops with it.
     """
     engine = getattr(llm_or_engine, "engine", llm_or_engine)
-    keys = api_keys if isinstance(api_keys, ApiKeys) else ApiKeys(api_keys)
+    keys, ops = _keys(api_keys), _keys(operator_keys)
+    limits = limits if limits is not None else ServeLimits()
+    limiter = TenantLimiter(limits)
     metrics = metrics if metrics is not None else ServerMetrics()
     runner = runner if runner is not None else EngineRunner(engine, metrics)
+    encoder = PromptEncoder(engine.tokenizer, engine.max_model_len)
     name = model_name or str(engine.config.model)
     names = {name, str(engine.config.model)}
     created = int(time.time())
@@ -121,33 +146,20 @@ def create_app(llm_or_engine, api_keys: ApiKeys | Mapping[str, str], *, model_na
             yield
         finally:
             runner.stop()
+            encoder.close()
 
     app = FastAPI(title="minikv", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.engine, app.state.runner, app.state.metrics, app.state.api_keys = engine, runner, metrics, keys
-    app.state.model_name = name
-    app.add_middleware(_MetricsMiddleware, metrics=metrics)
-
-    @app.exception_handler(APIError)
-    async def _api_error(request: Request, exc: APIError):
-        return _error_response(exc)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
-        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception):
-        log.error("internal error on %s: %s", request.url.path, type(exc).__name__)
-        return JSONResponse(error_body("internal server error", "server_error"), status_code=500)
+    app.state.model_name, app.state.limiter = name, limiter
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_middleware(QueryStringGuard)
+    install_error_handlers(app, metrics)
 
     # ------------------------------------------------------------------ helpers
     def tenant_of(request: Request) -> str:
-        tenant = keys.resolve(request.headers.get("authorization"))
-        if tenant is None:
-            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                           code="invalid_api_key")
+        tenant = _require(keys, request, "API")
+        request.state.tenant = tenant
         return tenant
 
     def check_model(body: dict) -> str:
@@ -157,7 +169,7 @@ def create_app(llm_or_engine, api_keys: ApiKeys | Mapping[str, str], *, model_na
         if not isinstance(model, str):
             raise APIError(400, "'model' must be a string", param="model", code="invalid_type")
         if model not in names:
-            raise APIError(404, f"the model '{model}' does not exist; this server serves '{name}'",
+            raise APIError(404, f"the model '{model[:200]}' does not exist; this server serves '{name}'",
                            param="model", code="model_not_found")
         return model
 
@@ -169,51 +181,71 @@ def create_app(llm_or_engine, api_keys: ApiKeys | Mapping[str, str], *, model_na
             u["prompt_tokens_details"] = {"cached_tokens": out.num_cached_tokens}
         return u
 
-    async def start(request_id: str, prompt, params, tenant: str, request: Request):
-        """Submit and wait until the engine accepted (or rejected) the request."""
+    async def start(request_id: str, prompt, params, tenant: str):
+        """Tokenize (off the engine thread), submit, and wait until the engine accepted it."""
         try:
-            return await runner.open(request_id, prompt, params, tenant)
-        except RequestRejected as exc:
+            ids = await encoder.encode(prompt)
+            return await runner.open(request_id, ids, params, tenant)
+        except (ValueError, TypeError, RequestRejected) as exc:
             raise APIError(400, str(exc)) from None
         except EngineUnavailable as exc:
             raise APIError(503, str(exc), "server_error", code="engine_unavailable") from None
 
     async def handle(request: Request, chat: bool):
         tenant = tenant_of(request)
-        body = await read_json(request, max_body_bytes)
-        model = check_model(body)
-        if chat:
-            prompt: Any = ChatPrompt(_chat_messages(body))
-        else:
-            prompt = _completion_prompt(body)
-        params = _sampling_params(body, DEFAULT_CHAT_MAX_TOKENS if chat else 16, engine.max_model_len, chat)
-        stream_flag = _field(body, "stream", (bool,), False, "a boolean")
-        opts = _field(body, "stream_options", (dict,), {}, "an object")
-        include_usage = bool(opts.get("include_usage", False))
-        # Deliberately ignored: body["cache_salt"], body["user"], any "tenant" field (see module doc).
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        created_at = int(time.time())
-        stream = await start(rid, prompt, params, tenant, request)
-        obj = "chat.completion" if chat else "text_completion"
-
-        if not stream_flag:
-            try:
-                out = await run_to_end(stream, request)
-            except _ClientGone:
-                log.info("request %s: client disconnected, aborted", rid)
-                return Response(status_code=499)
-            comp = out.outputs[0]
-            if comp.finish_reason == "abort":
-                raise APIError(503, "the request was aborted", "server_error", code="aborted")
-            choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": comp.finish_reason}
+        limiter.check_rate(tenant)
+        check_content_length(request, limits.max_body_bytes)
+        lease = await limiter.acquire(tenant)
+        handed_off = False
+        try:
+            body = await read_json(request, limits.max_body_bytes)
+            model = check_model(body)
             if chat:
-                choice["message"] = {"role": "assistant", "content": comp.text}
+                prompt: Any = ChatPrompt(_chat_messages(body, limits.max_prompt_chars, limits.max_messages))
             else:
-                choice["text"] = comp.text
-            return JSONResponse({"id": rid, "object": obj, "created": created_at, "model": model,
-                                 "choices": [choice], "usage": usage(out)})
+                prompt = _completion_prompt(body, limits.max_prompt_chars)
+            params = _sampling_params(body, DEFAULT_CHAT_MAX_TOKENS if chat else 16, engine.max_model_len, chat)
+            try:
+                lease.reserve(params.max_tokens)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="max_tokens") from None
+            stream_flag = _field(body, "stream", (bool,), False, "a boolean")
+            opts = _field(body, "stream_options", (dict,), {}, "an object")
+            include_usage = bool(opts.get("include_usage", False))
+            # Deliberately ignored: body["cache_salt"], body["user"], any "tenant" field (see module doc).
+            rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            stream = await start(rid, prompt, params, tenant)
+            if stream_flag:
+                handed_off = True  # the streaming response releases the lease when it ends
+                return streaming_response(stream, rid, model, chat, params, include_usage, lease)
+            return await complete_response(stream, rid, model, chat, request)
+        finally:
+            if not handed_off:
+                lease.release()
 
+    async def complete_response(stream, rid, model, chat, request):
+        try:
+            out = await run_to_end(stream, request)
+        except _ClientGone:
+            log.info("request %s: client disconnected, aborted", rid)
+            return Response(status_code=499)
+        except RequestFailed as exc:
+            raise APIError(500, str(exc), "server_error", code="request_failed") from None
+        comp = out.outputs[0]
+        if comp.finish_reason == "abort":
+            raise APIError(503, "the request was aborted", "server_error", code="aborted")
+        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": comp.finish_reason}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": comp.text}
+        else:
+            choice["text"] = comp.text
+        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                             "created": int(time.time()), "model": model, "choices": [choice],
+                             "usage": usage(out)})
+
+    def streaming_response(stream, rid, model, chat, params, include_usage, lease):
         chunk_obj = "chat.completion.chunk" if chat else "text_completion"
+        created_at = int(time.time())
         delta = _Delta(params.stop_strings)
 
         def chunk(text: str | None, finish: str | None, first: bool = False) -> dict:
@@ -248,14 +280,18 @@ def create_app(llm_or_engine, api_keys: ApiKeys | Mapping[str, str], *, model_na
                                "choices": [], "usage": usage(last)})
             except EngineUnavailable as exc:
                 yield sse(error_body(str(exc), "server_error", code="engine_unavailable"))
-            finally:
-                # Runs on normal end and when the client disconnects (Starlette cancels the
-                # response task): an unfinished request is aborted, its blocks freed.
-                await stream.aclose()
+            except RequestFailed as exc:
+                yield sse(error_body(str(exc), "server_error", code="request_failed"))
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+        async def cleanup():
+            # However the response ends -- finished, client gone, cancelled before the first
+            # byte -- an unfinished request is aborted (its blocks freed) and the slot returned.
+            await stream.aclose()
+            lease.release()
+
+        return GuardedStreamingResponse(events(), cleanup, media_type="text/event-stream",
+                                        headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
 
     # ------------------------------------------------------------------ routes
     @app.post("/v1/completions")
@@ -279,7 +315,8 @@ def create_app(llm_or_engine, api_keys: ApiKeys | Mapping[str, str], *, model_na
     async def model(model_id: str, request: Request):
         tenant_of(request)
         if model_id not in names:
-            raise APIError(404, f"the model '{model_id}' does not exist", param="model", code="model_not_found")
+            raise APIError(404, f"the model '{model_id[:200]}' does not exist", param="model",
+                           code="model_not_found")
         return model_card(model_id)
 
     @app.get("/health")
@@ -288,8 +325,12 @@ def create_app(llm_or_engine, api_keys: ApiKeys | Mapping[str, str], *, model_na
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
     @app.get("/metrics")
-    async def prometheus_metrics():
-        data, content_type = metrics.render()
-        return Response(data, media_type=content_type)
+    async def prometheus_metrics(request: Request):
+        if ops is None:
+            raise APIError(404, "metrics are served to operators only: start the server with "
+                                "--operator-keys, or --metrics-port for a separate address",
+                           "not_found_error", code="metrics_disabled")
+        _require(ops, request, "operator")
+        return _metrics_response(metrics)
 
     return app

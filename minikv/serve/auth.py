@@ -3,12 +3,22 @@
 The tenant is the isolation domain whose prefix cache a request may hit, so it must come from
 something a client cannot forge or copy from another client: its secret API key, looked up in an
 operator-written JSON file (``{"<api key>": "<tenant>", ...}``).  Nothing in a request body can
-name a tenant (see :mod:`minikv.serve.app`).
+name a tenant (see :mod:`minikv.serve.app`).  Operators get keys of their own, in a second file
+of the same shape (``--operator-keys``): they unlock ``/metrics``, never the model.
 
-The lookup is constant-time.  A naive ``keys[token]`` or ``==`` returns faster the earlier a
-guessed key goes wrong, and that difference is measurable over a network with enough samples --
-the same kind of timing side channel this course measures on the prefix cache.  Hence
-:class:`ApiKeys` hashes and compares with ``hmac.compare_digest``, over every key.
+Three rules, each learned from a real failure:
+
+* **The lookup is constant-time.**  A naive ``keys[token]`` or ``==`` returns faster the earlier
+  a guessed key goes wrong, and that difference is measurable over a network with enough
+  samples -- the same kind of timing side channel this course measures on the prefix cache.
+  Hence :class:`ApiKeys` compares SHA-256 digests with ``hmac.compare_digest``, over every key.
+* **Keys are bytes, compared as UTF-8.**  HTTP headers arrive as bytes; Starlette decodes them
+  as latin-1, so a key with a non-ASCII character would only match a client that (wrongly)
+  sent latin-1.  The app hands :meth:`ApiKeys.resolve` the raw header bytes instead.
+* **The keys file is strict.**  A JSON object with a duplicate key is legal JSON, and Python
+  keeps the *last* value: one tenant silently vanishes.  A deeply nested file crashes the
+  parser with ``RecursionError``.  :func:`load_api_keys` refuses both, and any non-string
+  value or bad encoding, with a one-line :class:`ValueError`.
 """
 from __future__ import annotations
 
@@ -20,7 +30,7 @@ from typing import Mapping
 
 
 class ApiKeys:
-    """API key -> tenant, resolved in constant time.
+    """API key -> tenant (or operator name), resolved in constant time.
 
     Every configured key is compared (no early exit), and what is compared are SHA-256 digests
     of equal length, so neither the position of the first wrong character nor the key's length
@@ -35,23 +45,27 @@ class ApiKeys:
             if not isinstance(key, str) or not key.strip() or key != key.strip():
                 raise ValueError("every API key must be a non-empty string without surrounding spaces")
             if not isinstance(tenant, str) or not tenant:
-                raise ValueError("every tenant name must be a non-empty string")
-            entries.append((hashlib.sha256(key.encode()).digest(), tenant))
+                raise ValueError(f"the tenant of every API key must be a non-empty string, got {tenant!r}")
+            entries.append((hashlib.sha256(key.encode("utf-8")).digest(), tenant))
         self._entries = tuple(entries)
         self.tenants = tuple(sorted(set(mapping.values())))
 
     def __repr__(self) -> str:  # never print keys
         return f"ApiKeys({len(self._entries)} keys, tenants={list(self.tenants)})"
 
-    def resolve(self, authorization: str | None) -> str | None:
-        """The tenant of a ``Bearer`` header, or None (missing, malformed or unknown key)."""
+    def resolve(self, authorization: str | bytes | None) -> str | None:
+        """The tenant of a ``Bearer`` header, or None (missing, malformed or unknown key).
+
+        ``authorization`` is the raw header value: bytes as they came off the wire (compared as
+        UTF-8), or a str (tests, and callers that already decoded it correctly)."""
         if not authorization:
             return None
-        scheme, _, token = authorization.partition(" ")
+        raw = authorization.encode("utf-8", "surrogatepass") if isinstance(authorization, str) else authorization
+        scheme, _, token = raw.partition(b" ")
         token = token.strip()
-        if scheme.lower() != "bearer" or not token:
+        if scheme.lower() != b"bearer" or not token:
             return None
-        digest = hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
+        digest = hashlib.sha256(token).digest()
         found = None
         for key_digest, tenant in self._entries:
             if hmac.compare_digest(key_digest, digest):
@@ -59,13 +73,45 @@ class ApiKeys:
         return found
 
 
-def load_api_keys(path: str | os.PathLike) -> ApiKeys:
-    """Read a JSON object ``{"<api key>": "<tenant>", ...}``."""
-    with open(path, encoding="utf-8") as fh:
-        try:
-            data = json.load(fh)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON ({exc.msg})") from None
+MAX_KEYS_FILE_BYTES = 16 << 20
+
+
+def _strict_object(pairs: list) -> dict:
+    """``object_pairs_hook`` that refuses duplicate keys (json keeps the last one silently)."""
+    out: dict = {}
+    first: dict = {}
+    for i, (key, value) in enumerate(pairs, 1):
+        if key in out:  # name entries by position: a key must never be printed, not even in part
+            raise ValueError(f"entry {i} repeats the key of entry {first[key]}; each key must appear once")
+        out[key], first[key] = value, i
+    return out
+
+
+def load_api_keys(path: str | os.PathLike, what: str = "tenant") -> ApiKeys:
+    """Read a JSON object ``{"<api key>": "<tenant>", ...}``; every problem is a one-line
+    :class:`ValueError` that names the file and the entry's position (never a key)."""
+    with open(path, "rb") as fh:
+        raw = fh.read(MAX_KEYS_FILE_BYTES + 1)
+    if len(raw) > MAX_KEYS_FILE_BYTES:
+        raise ValueError(f"{path}: larger than {MAX_KEYS_FILE_BYTES} bytes")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 (bad byte at offset {exc.start})") from None
+    try:
+        data = json.loads(text, object_pairs_hook=_strict_object)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc.msg}, line {exc.lineno})") from None
+    except RecursionError:
+        raise ValueError(f"{path}: nested too deeply; expected a flat object of key -> {what}") from None
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object mapping API key -> tenant name")
-    return ApiKeys(data)
+        raise ValueError(f"{path}: expected a JSON object mapping API key -> {what} name")
+    for i, value in enumerate(data.values(), 1):
+        if not isinstance(value, str):
+            raise ValueError(f"{path}: entry {i}: the {what} must be a string, got {type(value).__name__}")
+    try:
+        return ApiKeys(data)
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from None

@@ -98,44 +98,111 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+_LIMIT_FLAGS = ("requests_per_s", "burst", "max_concurrent", "max_queued", "max_tokens_in_flight",
+                "max_body_bytes", "max_prompt_chars", "max_messages")
+
+
+def limits_from_args(args: argparse.Namespace):
+    """A :class:`~minikv.serve.limits.ServeLimits` from the flags given (0 turns a per-tenant
+    limit off); the defaults are the dataclass's."""
+    from .limits import ServeLimits
+
+    given = {f: getattr(args, f) for f in _LIMIT_FLAGS if getattr(args, f, None) is not None}
+    for f in ("requests_per_s", "max_concurrent", "max_queued", "max_tokens_in_flight"):
+        if given.get(f) == 0:
+            given[f] = None
+    return ServeLimits(**given)
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from .app import create_app, load_api_keys
+    from .app import create_app, create_metrics_app
+    from .auth import load_api_keys
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         keys = load_api_keys(args.api_keys)
-    except (OSError, ValueError) as exc:
-        print(f"error: --api-keys: {exc}", file=sys.stderr)
+        ops = load_api_keys(args.operator_keys, what="operator") if args.operator_keys else None
+        limits = limits_from_args(args)
+    except (OSError, ValueError, TypeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 1
     try:
         kwargs = engine_kwargs_from_args(args)
         from ..engine.llm import LLM
         llm = LLM(**kwargs)
-    except (OSError, ValueError, TypeError) as exc:
+    except (OSError, ValueError, TypeError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     unsafe = llm.engine.config.unsafe_settings()
     if unsafe:
         print("warning: serving with UNSAFE settings: " + ", ".join(unsafe), file=sys.stderr)
-    if not _is_loopback(args.host):
-        print(f"warning: listening on {args.host}, not loopback: put TLS and a firewall in front",
-              file=sys.stderr)
+    for host in {args.host, args.metrics_host}:
+        if not _is_loopback(host):
+            print(f"warning: listening on {host}, not loopback: put TLS and a firewall in front",
+                  file=sys.stderr)
     app = create_app(llm, keys, model_name=args.served_model_name or args.model,
-                     report_cached_tokens=args.report_cached_tokens, max_body_bytes=args.max_body_bytes)
+                     report_cached_tokens=args.report_cached_tokens, limits=limits, operator_keys=ops)
+    import asyncio
+
     import uvicorn
     logging.getLogger("minikv.serve").info("serving %s for %d tenant(s) on %s:%d", app.state.model_name,
                                            len(keys.tenants), args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
-                access_log=not args.no_access_log)
+    servers = [uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                             log_config=None, access_log=not args.no_access_log))]
+    if args.metrics_port is not None:
+        metrics_app = create_metrics_app(app.state.metrics, ops)
+        servers.append(uvicorn.Server(uvicorn.Config(metrics_app, host=args.metrics_host, port=args.metrics_port,
+                                                     log_level=args.log_level, log_config=None,
+                                                     access_log=not args.no_access_log, lifespan="off")))
+        logging.getLogger("minikv.serve").info("metrics on %s:%d", args.metrics_host, args.metrics_port)
+
+    async def serve_all():
+        await asyncio.gather(*(s.serve() for s in servers))
+
+    asyncio.run(serve_all())
     return 0
+
+
+def _nonneg_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not (value >= 0 and value != float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _add_limit_arguments(p: argparse.ArgumentParser) -> None:
+    from_docs = " (default: ServeLimits' value; 0 = no limit)"
+    g = p.add_argument_group("per-tenant and per-request limits (see minikv.serve.limits)")
+    g.add_argument("--requests-per-s", type=_nonneg_float, help="sustained requests/s per tenant" + from_docs)
+    g.add_argument("--burst", type=_positive_int, help="requests a tenant may send at once")
+    g.add_argument("--max-concurrent", type=_nonneg_int, help="requests per tenant served at once" + from_docs)
+    g.add_argument("--max-queued", type=_nonneg_int, help="requests per tenant waiting for a slot" + from_docs)
+    g.add_argument("--max-tokens-in-flight", type=_nonneg_int,
+                   help="sum of max_tokens over a tenant's admitted requests" + from_docs)
+    g.add_argument("--max-body-bytes", type=_positive_int, help="largest request body (default 1 MiB; -> 413)")
+    g.add_argument("--max-prompt-chars", type=_positive_int, help="largest prompt, in characters (-> 400)")
+    g.add_argument("--max-messages", type=_positive_int, help="most messages in one chat request (-> 400)")
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``serve`` on a subparsers action; sets ``func`` to the handler."""
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
                               description="Serve /v1/completions, /v1/chat/completions, /v1/models, "
-                                          "/health and /metrics.  The tenant of each request is the "
+                                          "/health and (operators only) /metrics.  The tenant of each request is the "
                                           "one its API key maps to; clients cannot choose it.")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="listen port (default 8000)")
@@ -144,10 +211,14 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--served-model-name", help="model id clients send (default: --model)")
     p.add_argument("--report-cached-tokens", action="store_true",
                    help="report usage.prompt_tokens_details.cached_tokens")
-    p.add_argument("--max-body-bytes", type=_positive_int, default=1 << 20,
-                   help="largest request body (default 1 MiB; larger -> 413)")
+    p.add_argument("--operator-keys", metavar="FILE",
+                   help="JSON object mapping operator key -> name; these keys (only) may read /metrics")
+    p.add_argument("--metrics-host", default="127.0.0.1", help="address of --metrics-port (default 127.0.0.1)")
+    p.add_argument("--metrics-port", type=int,
+                   help="serve /metrics on this separate, operator-only port (no tenant key opens it)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.add_argument("--no-access-log", action="store_true", help="no per-request access log lines")
+    _add_limit_arguments(p)
     add_engine_arguments(p)
     p.set_defaults(func=_cmd_serve)
     return p

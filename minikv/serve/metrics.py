@@ -5,9 +5,16 @@ default one, so tests (and a notebook) can create several apps in one process wi
 "Duplicated timeseries" errors, and ``/metrics`` shows exactly one server's numbers.
 
 Names follow vLLM's where there is an equivalent (``vllm:prompt_tokens_total`` ->
-``minikv_prompt_tokens_total``).  Labels never carry tenant names or prompt content: a
-metrics scraper is usually less trusted than the operator's audit trail, and per-tenant
-cache-hit counters would themselves be a (coarse) side channel.
+``minikv_prompt_tokens_total``).
+
+**Metrics are a side channel, so they are the operator's alone.**  When traffic is light, the
+difference between two scrapes is one request: an anonymous observer of ``/metrics`` read a
+victim's exact prompt length, its cached tokens (did it re-use its own prefix?) and its output
+length -- and with ``cache_isolation="shared"`` the cached-token counter is a cache-hit oracle
+even when responses hide ``cached_tokens`` (issue 14).  So ``/metrics`` needs an operator key
+(:mod:`minikv.serve.app`) or lives on an operator-only address, and only then may counters
+carry ``tenant`` labels, which operators need to see who is being throttled.  Labels never
+carry prompt content.
 """
 from __future__ import annotations
 
@@ -37,6 +44,13 @@ class ServerMetrics:
         self.batch_size = Gauge("minikv_max_batch_size", "Largest batch the engine has stepped", registry=r)
         self.ttft = Histogram("minikv_time_to_first_token_seconds", "Time to first token (server side)",
                               buckets=TTFT_BUCKETS, registry=r)
+        self.tenant_requests = Counter("minikv_tenant_requests_finished", "Finished requests by tenant "
+                                       "and finish reason (operator only)", ["tenant", "finish_reason"],
+                                       registry=r)
+        self.tenant_tokens = Counter("minikv_tenant_tokens", "Prompt and generated tokens by tenant "
+                                     "(operator only)", ["tenant", "kind"], registry=r)
+        self.rejected = Counter("minikv_tenant_requests_rejected", "Requests refused with 429 by tenant "
+                                "and limit (operator only)", ["tenant", "limit"], registry=r)
         self.e2e = Histogram("minikv_e2e_request_latency_seconds", "Request latency (server side)",
                              buckets=E2E_BUCKETS, registry=r)
 
@@ -45,7 +59,11 @@ class ServerMetrics:
             self.ttft.observe(max(0.0, ttft_s))
 
     def observe_finish(self, prompt_tokens: int, cached_tokens: int, generated: int, reason: str | None,
-                       e2e_s: float | None) -> None:
+                       e2e_s: float | None, tenant: str | None = None) -> None:
+        t = str(tenant)
+        self.tenant_requests.labels(tenant=t, finish_reason=str(reason)).inc()
+        self.tenant_tokens.labels(tenant=t, kind="prompt").inc(prompt_tokens)
+        self.tenant_tokens.labels(tenant=t, kind="generated").inc(generated)
         self.prompt_tokens.inc(prompt_tokens)
         self.cached_tokens.inc(cached_tokens)
         self.generated_tokens.inc(generated)

@@ -17,6 +17,7 @@ are simply never read: the tenant comes from the API key (:mod:`minikv.serve.aut
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 CHAT_ROLES = ("system", "user", "assistant", "developer")
@@ -38,6 +39,58 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+class ClientGone(Exception):
+    """The client hung up while we were reading its body: nothing to answer, nothing to log
+    beyond one info line (it is not a server error)."""
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _bounded_int(text: str) -> int:
+    # Python refuses to parse ints of more than 4,300 digits (a CPU-exhaustion guard) with a
+    # bare ValueError; no field of ours needs more than 20 digits, so say so clearly.
+    if len(text.lstrip("-")) > 20:
+        raise ValueError(f"integer with {len(text.lstrip('-'))} digits is too large")
+    return int(text)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400 parses to inf
+        raise ValueError(f"number {text[:32]} is out of range")
+    return value
+
+
+def parse_json(raw: bytes) -> dict:
+    """Parse a request body strictly: standard JSON only (no ``NaN``/``Infinity`` literals,
+    which Python's ``json`` accepts by default), bounded integers, finite floats, an object
+    at the top.  Every problem is an :class:`APIError` 400, never an exception a handler
+    would turn into a 500."""
+    try:
+        body = json.loads(raw, parse_constant=_reject_constant, parse_int=_bounded_int,
+                          parse_float=_finite_float)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+        raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
+    except ValueError as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def check_content_length(request, max_body_bytes: int) -> None:
+    """Refuse a declared body over ``max_body_bytes`` (413) before reading any of it."""
+    length = request.headers.get("content-length")
+    if length is None:
+        return
+    if not length.isdigit() or len(length) > 20:
+        raise APIError(400, f"invalid Content-Length header {length[:24]!r}")
+    if int(length) > max_body_bytes:
+        raise APIError(413, f"request body exceeds {max_body_bytes} bytes", code="request_too_large")
+
+
 async def read_json(request, max_body_bytes: int) -> dict:
     """The request body as a JSON object, refusing more than ``max_body_bytes`` (HTTP 413).
 
@@ -45,27 +98,19 @@ async def read_json(request, max_body_bytes: int) -> dict:
     reading, for chunked bodies (and clients whose header lies).  Without it, one request could
     make the server buffer an arbitrarily large body in memory.
     """
-    length = request.headers.get("content-length")
-    if length is not None:
-        try:
-            too_big = int(length) > max_body_bytes
-        except ValueError:
-            raise APIError(400, "invalid Content-Length header") from None
-        if too_big:
-            raise APIError(413, f"request body exceeds {max_body_bytes} bytes", code="request_too_large")
+    from starlette.requests import ClientDisconnect
+
+    check_content_length(request, max_body_bytes)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_body_bytes:
-            raise APIError(413, f"request body exceeds {max_body_bytes} bytes", code="request_too_large")
-        chunks.append(chunk)
     try:
-        body = json.loads(b"".join(chunks))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-        raise APIError(400, "the request body is not valid JSON", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
-    return body
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_body_bytes:
+                raise APIError(413, f"request body exceeds {max_body_bytes} bytes", code="request_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ClientGone() from None
+    return parse_json(b"".join(chunks))
 
 
 _MISSING = object()
@@ -107,18 +152,28 @@ def _sampling_params(body: dict, default_max_tokens: int, max_model_len: int, ch
     elif max_tokens >= max_model_len:
         raise APIError(400, f"max_tokens={max_tokens} exceeds the model's context ({max_model_len} tokens)",
                        param="max_tokens")
+    # Numbers are checked here *and* again by SamplingParams: the HTTP door answers in the
+    # client's terms (param names, a 400), the engine door protects Python callers too.
     temperature = _field(body, "temperature", (int, float), 1.0, "a number")
-    if temperature < 0:
-        raise APIError(400, f"temperature must be >= 0, got {temperature}", param="temperature")
+    if not 0 <= temperature < math.inf:
+        raise APIError(400, f"temperature must be a finite number >= 0, got {temperature!r}", param="temperature")
     top_p = _field(body, "top_p", (int, float), 1.0, "a number")
+    if not 0 < top_p <= 1:
+        raise APIError(400, f"top_p must be in (0, 1], got {top_p!r}", param="top_p")
     top_k = _field(body, "top_k", (int,), 0, "an integer")
+    if top_k < -1:
+        raise APIError(400, f"top_k must be >= -1 (0 or -1 disables it), got {top_k}", param="top_k")
     seed = _field(body, "seed", (int,), None, "an integer")
+    if seed is not None and not -2**63 <= seed < 2**63:
+        raise APIError(400, f"seed must be a 64-bit signed integer, got {seed}", param="seed")
     stop = body.get("stop")
     if stop is not None and not (isinstance(stop, str) or (isinstance(stop, list)
                                                           and all(isinstance(s, str) for s in stop))):
         raise APIError(400, "'stop' must be a string or a list of strings", param="stop", code="invalid_type")
     if isinstance(stop, list) and len(stop) > 16:
         raise APIError(400, "at most 16 stop strings are supported", param="stop")
+    if any(len(s) > 256 for s in ([stop] if isinstance(stop, str) else stop or [])):
+        raise APIError(400, "a stop string may be at most 256 characters", param="stop")
     ignore_eos = _field(body, "ignore_eos", (bool,), False, "a boolean")
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
@@ -127,36 +182,51 @@ def _sampling_params(body: dict, default_max_tokens: int, max_model_len: int, ch
         raise APIError(400, str(exc)) from None
 
 
-def _completion_prompt(body: dict):
+def _too_long(what: str, n: int, cap: int, param: str) -> APIError:
+    return APIError(400, f"{what} has {n} characters; this server accepts at most {cap} "
+                         "(--max-prompt-chars)", param=param, code="prompt_too_long")
+
+
+def _completion_prompt(body: dict, max_chars: int = 1 << 62):
+    """The prompt of a completion request, capped at ``max_chars`` characters (or token ids)
+    *before* anything tokenizes it: tokenizing is the first expensive step."""
     prompt = body.get("prompt", _MISSING)
     if prompt is _MISSING or prompt is None:
         raise APIError(400, "'prompt' is required", param="prompt", code="missing_required_parameter")
     if isinstance(prompt, str):
         if not prompt:
             raise APIError(400, "'prompt' is empty", param="prompt")
+        if len(prompt) > max_chars:
+            raise _too_long("'prompt'", len(prompt), max_chars, "prompt")
         return prompt
     if isinstance(prompt, list):
         if not prompt:
             raise APIError(400, "'prompt' is empty", param="prompt")
         if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            if len(prompt) > max_chars:
+                raise _too_long("'prompt' (token ids)", len(prompt), max_chars, "prompt")
             return list(prompt)
-        if len(prompt) == 1 and isinstance(prompt[0], str):
-            return _completion_prompt({"prompt": prompt[0]})
-        if len(prompt) == 1 and isinstance(prompt[0], list):
-            return _completion_prompt({"prompt": prompt[0]})
+        if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            return _completion_prompt({"prompt": prompt[0]}, max_chars)
         if all(isinstance(p, (str, list)) for p in prompt):
             raise APIError(400, "batched prompts are not supported: send one prompt per request", param="prompt")
     raise APIError(400, "'prompt' must be a string, a list of token ids, or a list with one string",
                    param="prompt", code="invalid_type")
 
 
-def _chat_messages(body: dict) -> tuple:
+def _chat_messages(body: dict, max_chars: int = 1 << 62, max_messages: int = 1 << 62) -> tuple:
+    """The messages of a chat request, capped at ``max_messages`` messages and ``max_chars``
+    characters of content in all; control tokens inside content are refused later, by
+    :func:`minikv.engine.chat.render_chat`, which knows the tokenizer's special tokens."""
     messages = body.get("messages", _MISSING)
     if messages is _MISSING or messages is None:
         raise APIError(400, "'messages' is required", param="messages", code="missing_required_parameter")
     if not isinstance(messages, list) or not messages:
         raise APIError(400, "'messages' must be a non-empty list", param="messages", code="invalid_type")
-    out = []
+    if len(messages) > max_messages:
+        raise APIError(400, f"'messages' has {len(messages)} messages; this server accepts at most "
+                            f"{max_messages} (--max-messages)", param="messages")
+    out, total = [], 0
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise APIError(400, f"messages[{i}] must be an object", param=f"messages[{i}]", code="invalid_type")
@@ -173,6 +243,9 @@ def _chat_messages(body: dict) -> tuple:
         if not isinstance(content, str):
             raise APIError(400, f"messages[{i}].content must be a string", param=f"messages[{i}].content",
                            code="invalid_type")
+        total += len(content)
+        if total > max_chars:
+            raise _too_long("'messages' content", total, max_chars, "messages")
         out.append({"role": "system" if role == "developer" else role, "content": content})
     if not any(m["content"] for m in out):
         raise APIError(400, "'messages' contain no text", param="messages")

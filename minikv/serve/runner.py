@@ -38,12 +38,9 @@ class EngineUnavailable(Exception):
     """The engine is shutting down or failed: HTTP 503."""
 
 
-@dataclass(frozen=True)
-class ChatPrompt:
-    """A chat conversation; the engine thread applies the chat template and tokenizes it
-    (tokenizers are not shared across threads)."""
-
-    messages: tuple
+class RequestFailed(Exception):
+    """The engine failed *this* request (finish reason ``"error"``) and kept serving the others:
+    HTTP 500 for this request only."""
 
 
 @dataclass
@@ -173,8 +170,6 @@ class EngineRunner:
         if kind == "add":
             _, rid, prompt, params, tenant, sink = cmd
             try:
-                if isinstance(prompt, ChatPrompt):
-                    prompt = self._chat_ids(prompt.messages)
                 self.engine.add_request(rid, prompt, params, tenant=tenant)
             except (ValueError, TypeError) as exc:
                 err = RequestRejected(str(exc))
@@ -197,12 +192,6 @@ class EngineRunner:
                 except BaseException as exc:  # noqa: BLE001 -- handed to the caller
                     fut.set_exception(exc)
 
-    def _chat_ids(self, messages) -> list[int]:
-        tok = self.engine.tokenizer
-        text = tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
-        # The template already contains the special tokens: do not add BOS/EOS a second time.
-        return list(tok(text, add_special_tokens=False).input_ids)
-
     def _abort(self, rid: str) -> None:
         sink = self._sinks.pop(rid, None)
         seq = self.engine.requests.get(rid)
@@ -212,7 +201,7 @@ class EngineRunner:
         self.num_aborted += 1
         if self.metrics:
             self.metrics.observe_finish(seq.num_prompt_tokens, seq.num_cached_tokens or 0,
-                                        len(seq.output_token_ids), "abort", None)
+                                        len(seq.output_token_ids), "abort", None, seq.tenant)
         log.info("request %s aborted (tenant=%s, prompt_tokens=%d, output_tokens=%d)", rid,
                  seq.tenant, seq.num_prompt_tokens, len(seq.output_token_ids))
         if sink is not None:
@@ -223,6 +212,9 @@ class EngineRunner:
         try:
             outs = eng.step()
         except Exception as exc:  # noqa: BLE001 -- fail the requests, keep serving health checks
+            # The engine isolates a failing sequence itself (finish reason "error"); reaching
+            # here means the step failed as a whole.  Fail what was in flight, report
+            # unhealthy, and recover on the next step that succeeds.
             self.healthy = False
             log.error("engine step failed: %s; failing %d request(s)", type(exc).__name__, len(self._sinks))
             for rid in list(self._sinks):
@@ -234,6 +226,7 @@ class EngineRunner:
                     except Exception:  # noqa: BLE001
                         pass
             return
+        self.healthy = True
         self.num_steps += 1
         self.max_batch_size = max(self.max_batch_size, len(outs))
         if self.metrics:
@@ -253,12 +246,16 @@ class EngineRunner:
                 comp = out.outputs[0]
                 if self.metrics:
                     self.metrics.observe_finish(len(out.prompt_token_ids), out.num_cached_tokens,
-                                                len(comp.token_ids), comp.finish_reason, out.metrics.e2e_s)
+                                                len(comp.token_ids), comp.finish_reason, out.metrics.e2e_s,
+                                                out.tenant)
                 # Operator log: ids, tenant and counts only -- never prompt or output text.
                 log.info("request %s finished (tenant=%s, prompt_tokens=%d, cached_tokens=%d, "
                          "output_tokens=%d, reason=%s)", out.request_id, out.tenant,
                          len(out.prompt_token_ids), out.num_cached_tokens, len(comp.token_ids),
                          comp.finish_reason)
+                if comp.finish_reason == "error":
+                    sink.put("error", RequestFailed(_error_text(out)))
+                    continue
             sink.put("output", out)
 
     def _shutdown(self) -> None:
@@ -277,6 +274,12 @@ class EngineRunner:
                 cmd[-1].put("error", EngineUnavailable("the server is shutting down"))
             elif cmd[0] == "call":
                 cmd[2].cancel()
+
+
+def _error_text(out) -> str:
+    """The engine's message for a failed request (on the output or its completion)."""
+    return (getattr(out, "error", None) or getattr(out.outputs[0], "error", None)
+            or "the engine failed this request")
 
 
 class RequestStream:

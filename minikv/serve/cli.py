@@ -61,6 +61,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = True
     s.add_argument("--max-cached-blocks-per-tenant", type=_positive_int,
                    help="quota of cached blocks per tenant (prime+probe defence)")
     s.add_argument("--audit-log", metavar="PATH", help="write the operator's JSONL audit trail here")
+    s.add_argument("--audit-level", choices=("request", "block"),
+                   help="request (default): one summary line per request; block: one line per block event")
     s.add_argument("--engine-secret-file", metavar="PATH",
                    help="file holding the engine secret (>= 16 bytes); default: random per start")
 
@@ -68,7 +70,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = True
 _FIELDS = ("model", "device", "dtype", "seed", "block_size", "num_blocks", "max_num_seqs",
            "max_num_batched_tokens", "max_model_len", "kv_cache_memory_gb", "enable_prefix_caching",
            "cache_isolation", "hash_algo", "chain_hashes", "scrub", "max_cached_blocks_per_tenant",
-           "audit_log")
+           "audit_log", "audit_level")
 
 
 def read_engine_secret(path: str) -> bytes:
@@ -103,8 +105,9 @@ _LIMIT_FLAGS = ("requests_per_s", "burst", "max_concurrent", "max_queued", "max_
 
 
 def limits_from_args(args: argparse.Namespace):
-    """A :class:`~minikv.serve.limits.ServeLimits` from the flags given (0 turns a per-tenant
-    limit off); the defaults are the dataclass's."""
+    """A :class:`~minikv.serve.limits.ServeLimits` from the flags given (0 turns the rate,
+    concurrency and decode-budget limits off; ``--max-queued 0`` means no queue); the defaults
+    are the dataclass's."""
     from .limits import ServeLimits
 
     given = {f: getattr(args, f) for f in _LIMIT_FLAGS if getattr(args, f, None) is not None}
@@ -190,7 +193,7 @@ def _add_limit_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--requests-per-s", type=_nonneg_float, help="sustained requests/s per tenant" + from_docs)
     g.add_argument("--burst", type=_positive_int, help="requests a tenant may send at once")
     g.add_argument("--max-concurrent", type=_nonneg_int, help="requests per tenant served at once" + from_docs)
-    g.add_argument("--max-queued", type=_nonneg_int, help="requests per tenant waiting for a slot" + from_docs)
+    g.add_argument("--max-queued", type=_nonneg_int, help="requests per tenant waiting for a slot (0: no queue)")
     g.add_argument("--max-tokens-in-flight", type=_nonneg_int,
                    help="sum of max_tokens over a tenant's admitted requests" + from_docs)
     g.add_argument("--max-body-bytes", type=_positive_int, help="largest request body (default 1 MiB; -> 413)")

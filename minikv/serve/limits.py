@@ -41,7 +41,7 @@ class ServeLimits:
     Per tenant
         requests_per_s / burst: token-bucket request rate.
         max_concurrent: requests served at once (the rest wait, up to ``max_queued``).
-        max_queued: requests waiting for a slot.
+        max_queued: requests waiting for a slot (0: none wait, a busy tenant gets 429 at once).
         max_tokens_in_flight: sum of ``max_tokens`` over the tenant's admitted requests.
     Per request (checked in :mod:`minikv.serve.protocol`, before tokenization)
         max_body_bytes: request body size (413 above it).
@@ -62,17 +62,17 @@ class ServeLimits:
         for name in ("requests_per_s", "max_concurrent", "max_queued", "max_tokens_in_flight"):
             value = getattr(self, name)
             if value is not None:
-                _check_number(name, value, allow_float=name == "requests_per_s")
+                _check_number(name, value, allow_float=name == "requests_per_s", allow_zero=name == "max_queued")
         for name in ("burst", "max_body_bytes", "max_prompt_chars", "max_messages"):
             _check_number(name, getattr(self, name), allow_float=False)
 
 
-def _check_number(name: str, value, allow_float: bool) -> None:
+def _check_number(name: str, value, allow_float: bool, allow_zero: bool = False) -> None:
     kinds = (int, float) if allow_float else (int,)
     if isinstance(value, bool) or not isinstance(value, kinds):
         raise TypeError(f"{name} must be {'a number' if allow_float else 'an int'}, got {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+    if not math.isfinite(value) or value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{name} must be finite and {'>=' if allow_zero else '>'} 0, got {value!r}")
 
 
 class TooManyRequests(Exception):

@@ -19,8 +19,8 @@ from .._lazy import lazy_exports
 _EXPORTS = {
     "create_app": "app", "create_metrics_app": "app", "BackgroundServer": "background",
     "ApiKeys": "auth", "load_api_keys": "auth", "ServeLimits": "limits", "APIError": "protocol",
-    "EngineRunner": "runner", "RequestFailed": "runner", "RequestRejected": "runner",
-    "EngineUnavailable": "runner", "ServerMetrics": "metrics", "add_serve_parser": "cli",
+    "EngineRunner": "runner", "RequestFailed": "errors", "RequestRejected": "errors",
+    "EngineUnavailable": "errors", "ServerMetrics": "metrics", "add_serve_parser": "cli",
     "add_engine_arguments": "cli", "engine_kwargs_from_args": "cli",
 }
 __all__ = sorted(_EXPORTS)

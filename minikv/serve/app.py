@@ -67,12 +67,12 @@ from fastapi.responses import JSONResponse, Response
 from .auth import ApiKeys
 from .limits import ServeLimits, TenantLimiter
 from .metrics import ServerMetrics
-from .middleware import (GuardedStreamingResponse, MetricsMiddleware, QueryStringGuard,
-                         install_error_handlers)
+from .middleware import MetricsMiddleware, QueryStringGuard, install_error_handlers
 from .protocol import (APIError, _chat_messages, _completion_prompt, _field, _sampling_params,
-                       check_content_length, error_body, read_json)
-from .runner import EngineRunner, EngineUnavailable, RequestFailed, RequestRejected
-from .streaming import _ClientGone, _Delta, run_to_end, sse
+                       check_content_length, read_json)
+from .errors import EngineUnavailable, RequestRejected
+from .runner import EngineRunner
+from .streaming import Reply
 from .tokenize import ChatPrompt, PromptEncoder
 
 log = logging.getLogger("minikv.serve")
@@ -215,83 +215,14 @@ def create_app(llm_or_engine, api_keys: ApiKeys | Mapping[str, str], *, model_na
             # Deliberately ignored: body["cache_salt"], body["user"], any "tenant" field (see module doc).
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
             stream = await start(rid, prompt, params, tenant)
+            reply = Reply(rid, model, chat, usage)
             if stream_flag:
                 handed_off = True  # the streaming response releases the lease when it ends
-                return streaming_response(stream, rid, model, chat, params, include_usage, lease)
-            return await complete_response(stream, rid, model, chat, request)
+                return reply.streaming(stream, params.stop_strings, include_usage, on_close=lease.release)
+            return await reply.whole(stream, request)
         finally:
             if not handed_off:
                 lease.release()
-
-    async def complete_response(stream, rid, model, chat, request):
-        try:
-            out = await run_to_end(stream, request)
-        except _ClientGone:
-            log.info("request %s: client disconnected, aborted", rid)
-            return Response(status_code=499)
-        except RequestFailed as exc:
-            raise APIError(500, str(exc), "server_error", code="request_failed") from None
-        comp = out.outputs[0]
-        if comp.finish_reason == "abort":
-            raise APIError(503, "the request was aborted", "server_error", code="aborted")
-        choice: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": comp.finish_reason}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": comp.text}
-        else:
-            choice["text"] = comp.text
-        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                             "created": int(time.time()), "model": model, "choices": [choice],
-                             "usage": usage(out)})
-
-    def streaming_response(stream, rid, model, chat, params, include_usage, lease):
-        chunk_obj = "chat.completion.chunk" if chat else "text_completion"
-        created_at = int(time.time())
-        delta = _Delta(params.stop_strings)
-
-        def chunk(text: str | None, finish: str | None, first: bool = False) -> dict:
-            if chat:
-                d: dict[str, Any] = {}
-                if first:
-                    d["role"] = "assistant"
-                if text is not None:
-                    d["content"] = text
-                c: dict[str, Any] = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
-            else:
-                c = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-            return {"id": rid, "object": chunk_obj, "created": created_at, "model": model, "choices": [c]}
-
-        async def events():
-            last = None
-            try:
-                if chat:
-                    yield sse(chunk("", None, first=True))
-                async for out in stream:
-                    last = out
-                    comp = out.outputs[0]
-                    piece = delta(comp.text, out.finished)
-                    if out.finished:
-                        if piece:
-                            yield sse(chunk(piece, None))
-                        yield sse(chunk(None if chat else "", comp.finish_reason))
-                    elif piece:
-                        yield sse(chunk(piece, None))
-                if include_usage and last is not None:
-                    yield sse({"id": rid, "object": chunk_obj, "created": created_at, "model": model,
-                               "choices": [], "usage": usage(last)})
-            except EngineUnavailable as exc:
-                yield sse(error_body(str(exc), "server_error", code="engine_unavailable"))
-            except RequestFailed as exc:
-                yield sse(error_body(str(exc), "server_error", code="request_failed"))
-            yield "data: [DONE]\n\n"
-
-        async def cleanup():
-            # However the response ends -- finished, client gone, cancelled before the first
-            # byte -- an unfinished request is aborted (its blocks freed) and the slot returned.
-            await stream.aclose()
-            lease.release()
-
-        return GuardedStreamingResponse(events(), cleanup, media_type="text/event-stream",
-                                        headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
 
     # ------------------------------------------------------------------ routes
     @app.post("/v1/completions")

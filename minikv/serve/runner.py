@@ -25,22 +25,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .errors import EngineUnavailable, RequestFailed, RequestRejected
 from .metrics import ServerMetrics
+from .streaming import RequestStream
 
 log = logging.getLogger("minikv.serve")
-
-
-class RequestRejected(Exception):
-    """The engine refused a request (bad input): HTTP 400.  ``__cause__`` is the engine's error."""
-
-
-class EngineUnavailable(Exception):
-    """The engine is shutting down or failed: HTTP 503."""
-
-
-class RequestFailed(Exception):
-    """The engine failed *this* request (finish reason ``"error"``) and kept serving the others:
-    HTTP 500 for this request only."""
 
 
 @dataclass
@@ -217,14 +206,7 @@ class EngineRunner:
             # unhealthy, and recover on the next step that succeeds.
             self.healthy = False
             log.error("engine step failed: %s; failing %d request(s)", type(exc).__name__, len(self._sinks))
-            for rid in list(self._sinks):
-                sink = self._sinks.pop(rid)
-                sink.put("error", EngineUnavailable(f"engine error: {type(exc).__name__}"))
-                if rid in eng.requests:
-                    try:
-                        eng.abort_request(rid)
-                    except Exception:  # noqa: BLE001
-                        pass
+            self._fail_all(f"engine error: {type(exc).__name__}")
             return
         self.healthy = True
         self.num_steps += 1
@@ -258,15 +240,19 @@ class EngineRunner:
                     continue
             sink.put("output", out)
 
-    def _shutdown(self) -> None:
+    def _fail_all(self, message: str) -> None:
+        """Answer every in-flight request with :class:`EngineUnavailable` and free its blocks."""
         for rid in list(self._sinks):
             sink = self._sinks.pop(rid)
             if rid in self.engine.requests:
                 try:
                     self.engine.abort_request(rid)
-                except Exception:  # noqa: BLE001
+                except Exception:  # noqa: BLE001 -- the engine is already failing; keep going
                     pass
-            sink.put("error", EngineUnavailable("the server is shutting down"))
+            sink.put("error", EngineUnavailable(message))
+
+    def _shutdown(self) -> None:
+        self._fail_all("the server is shutting down")
         with self._cond:
             pending, self._pending = self._pending, []
         for cmd in pending:
@@ -280,38 +266,3 @@ def _error_text(out) -> str:
     """The engine's message for a failed request (on the output or its completion)."""
     return (getattr(out, "error", None) or getattr(out.outputs[0], "error", None)
             or "the engine failed this request")
-
-
-class RequestStream:
-    """Async iterator over one request's outputs (cumulative ``RequestOutput`` s; the last one
-    has ``finished=True``).  ``aclose()`` -- also called when iteration is cancelled -- aborts
-    the request unless it already finished."""
-
-    def __init__(self, runner: EngineRunner, request_id: str, queue: asyncio.Queue):
-        self.runner, self.request_id, self._queue = runner, request_id, queue
-        self.done = False
-
-    def __aiter__(self) -> "RequestStream":
-        return self
-
-    async def __anext__(self):
-        if self.done:
-            raise StopAsyncIteration
-        try:
-            kind, item = await self._queue.get()
-        except BaseException:
-            await self.aclose()
-            raise
-        if kind == "output":
-            if item.finished:
-                self.done = True
-            return item
-        self.done = True
-        if kind == "error":
-            raise item
-        raise EngineUnavailable("the request was aborted")
-
-    async def aclose(self) -> None:
-        if not self.done:
-            self.done = True
-            self.runner.abort(self.request_id)

@@ -1,8 +1,10 @@
-"""Trail detector on synthetic event streams written in the exact trail format (ARCHITECTURE.md)."""
+"""Trail detector on synthetic event streams written in the exact trail format (ARCHITECTURE.md),
+at both levels: per-block events ("block") and one summary per request ("request")."""
 import hashlib
 import hmac
 import json
 import random
+from collections import Counter
 
 import pytest
 
@@ -13,17 +15,20 @@ KEY = b"operator-key"
 
 
 class Trail:
-    """Generates trail events the way minikv's AuditTrail does (keyed, chained prefix fingerprints)."""
+    """Generates trail events the way minikv's AuditTrail does (keyed, chained prefix fingerprints),
+    per block (``level="block"``) or as one summary per request (``level="request"``)."""
 
-    def __init__(self):
+    def __init__(self, level="block", engine="e0"):
         self.events, self.t, self.n = [], 1_700_000_000.0, 0
+        self.level, self.engine = level, engine
 
     def _ev(self, event, rid, tenant, **kw):
         self.t += 0.01
         self.events.append({"t": round(self.t, 6), "event": event, "request_id": rid, "tenant": tenant,
                             "block_id": kw.pop("block_id", None), "fp": kw.pop("fp", None), **kw})
 
-    def request(self, tenant, tokens, hits_from=None, public=False):
+    def request(self, tenant, tokens, hits_from=None, public=False, evicts=()):
+        """One request; ``evicts``: owner tenants of the cached blocks its allocations evicted."""
         self.n += 1
         rid = f"req-{self.n}"
         fps, state = [], b""
@@ -31,7 +36,17 @@ class Trail:
             state = hmac.new(KEY, state + bytes(str(tokens[i * BS:(i + 1) * BS]), "ascii"), hashlib.sha256).digest()
             fps.append(state.hex()[:16])
         tail = hmac.new(KEY, b"tail" + bytes(str(tokens), "ascii"), hashlib.sha256).hexdigest()[:16]
+        if self.level == "request":
+            cross = len(fps) if hits_from not in (None, tenant) and not public else 0
+            self._ev("summary", rid, tenant, v=2, engine=self.engine, num_prompt_tokens=len(tokens),
+                     num_cached_tokens=BS * len(fps) if hits_from else 0, num_output_tokens=1,
+                     finish_reason="length", cross_tenant_hits=[[hits_from, cross]] if cross else [],
+                     evicted_owners=[[o, n] for o, n in Counter(evicts).items()], prefix_fps=fps,
+                     tail_fp=tail)
+            return rid
         self._ev("request", rid, tenant, num_prompt_tokens=len(tokens), prefix_fps=fps, tail_fp=tail)
+        for i, owner in enumerate(evicts):
+            self._ev("evict", rid, tenant, block_id=i, fp=f"{i:016x}", owner_tenant=owner)
         for i, fp in enumerate(fps):
             if hits_from is not None:
                 self._ev("hit", rid, tenant, block_id=i, fp=fp, owner_tenant=hits_from, public=public)
@@ -162,3 +177,109 @@ def test_long_decoy_request_does_not_hide_the_probes():
     tr.request("mallory", known + words(rng, 5 * BS))  # a decoy that runs far past the prefix
     found = [f for f in detect(tr.events) if f.kind == "probing"]
     assert len(found) == 1 and set(found[0].request_ids) == set(probe_ids)
+
+
+# ----------------------------------------------------------------------------- both levels
+@pytest.mark.parametrize("level", ["block", "request"])
+def test_probing_and_cross_tenant_hits_found_at_both_levels(level):
+    rng, tr = random.Random(0), Trail(level)
+    secret = words(rng, 21)
+    tr.request("victim", SYSTEM + secret)
+    leak = tr.request("mallory", SYSTEM, hits_from="victim")
+    tr.request("carol", SYSTEM, hits_from="victim", public=True)
+    probes = [tr.request("mallory", SYSTEM + secret[:10] + [cand]) for cand in range(10)]
+    found = detect(tr.events)
+    assert [(f.kind, f.tenant) for f in found] == [("cross_tenant_hit", "mallory"), ("probing", "mallory")]
+    assert found[0].request_ids == (leak,) and "5 private block hit(s)" in found[0].detail
+    assert set(probes) <= set(found[1].request_ids)
+
+
+def test_same_request_id_from_two_engines_is_named_with_its_engine():
+    a, b = Trail("request", engine="e1"), Trail("request", engine="e1.1")
+    ra = a.request("mallory", SYSTEM, hits_from="victim")
+    rb = b.request("mallory", SYSTEM, hits_from="victim")
+    assert ra == rb == "req-1"  # a fork numbers its requests from the start too
+    (f,) = detect(a.events + b.events)
+    assert f.request_ids == ("req-1@e1", "req-1@e1.1") and "across 2 request(s)" in f.detail
+    (g,) = detect(a.events)
+    assert g.request_ids == ("req-1",)  # unambiguous ids stay plain
+
+
+# ----------------------------------------------------------------------------- eviction pressure
+POOL = 24
+
+
+def flush_rounds(tr, rounds=8, victims=("alice", "bob"), per_victim=3):
+    """Prime-and-probe with fresh primes: each round the victims' requests evict the attacker's
+    primed blocks, then mallory refills the whole pool -- mostly its own old blocks, plus
+    everything the victims cached in between."""
+    rng = random.Random(7)
+    for _ in range(rounds):
+        for v in victims:
+            tr.request(v, SYSTEM + words(rng, rng.randint(10, 90)), evicts=["mallory"] * per_victim)
+        fresh = len(victims) * per_victim
+        tr.request("mallory", words(rng, POOL * BS + 1), evicts=["mallory"] * (POOL - fresh) +
+                   [v for v in victims for _ in range(per_victim)])
+
+
+@pytest.mark.parametrize("level", ["block", "request"])
+def test_a_tenant_that_keeps_flushing_the_others_is_flagged(level):
+    tr = Trail(level)
+    flush_rounds(tr)
+    found = [f for f in detect(tr.events) if f.kind == "eviction_pressure"]
+    assert [f.tenant for f in found] == ["mallory"]
+    assert "48 cached block(s) of 2 other tenant(s) (alice 24, bob 24)" in found[0].detail
+    assert "100% of all the blocks other tenants lost" in found[0].detail
+    assert len(found[0].request_ids) == 8
+    assert detect(tr.events, min_evictions=49) == []
+
+
+@pytest.mark.parametrize("level", ["block", "request"])
+def test_ordinary_mixed_traffic_is_not_flagged(level):
+    """Four tenants with similar load on a full pool: each evicts the LRU's oldest blocks,
+    whoever wrote them, so each causes about a quarter of everybody's losses."""
+    rng, tr = random.Random(11), Trail(level)
+    tenants = ["t0", "t1", "t2", "t3"]
+    for _ in range(200):
+        tr.request(rng.choice(tenants), words(rng, rng.randint(20, 200)),
+                   evicts=[rng.choice(tenants) for _ in range(rng.randint(1, 6))])
+    assert [f for f in detect(tr.events) if f.kind == "eviction_pressure"] == []
+
+
+@pytest.mark.parametrize("level", ["block", "request"])
+def test_two_similar_tenants_and_a_tenant_evicting_only_itself_are_not_flagged(level):
+    rng, tr = random.Random(12), Trail(level)
+    for _ in range(100):
+        tr.request("a", words(rng, 50), evicts=rng.choices(["a", "b"], k=4))
+        tr.request("b", words(rng, 50), evicts=rng.choices(["a", "b"], k=4))
+        tr.request("solo", words(rng, 400), evicts=["solo"] * 25)
+    assert [f for f in detect(tr.events) if f.kind == "eviction_pressure"] == []
+
+
+def test_eviction_pressure_limits_are_what_the_docs_say():
+    # A re-priming attacker and its victim evict exactly each other's blocks: symmetric, not flagged.
+    tr = Trail()
+    for _ in range(40):
+        tr.request("victim", SYSTEM, evicts=["mallory"] * 3)
+        tr.request("mallory", SYSTEM, evicts=["victim"] * 3)
+    assert [f for f in detect(tr.events) if f.kind == "eviction_pressure"] == []
+    # Evictions that no request caused (an operator's reset_prefix_cache) count for nobody.
+    reset = [{"t": 1.0, "event": "evict", "request_id": None, "tenant": None, "block_id": i, "fp": None,
+              "owner_tenant": "alice"} for i in range(100)]
+    assert detect(reset) == []
+
+
+def test_min_evictions_validated():
+    with pytest.raises(ValueError, match="min_evictions"):
+        detect([], min_evictions=0)
+    with pytest.raises(TypeError, match="threshold"):
+        detect([], threshold="8")
+
+
+def test_load_trail_reads_gzip(tmp_path):
+    import gzip
+    tr = Trail("request")
+    flush_rounds(tr, rounds=1)
+    p = tmp_path / "trail.jsonl.1.gz"
+    p.write_bytes(gzip.compress(("\n".join(json.dumps(e) for e in tr.events) + "\n").encode()))
+    assert load_trail(p) == tr.events

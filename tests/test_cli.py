@@ -142,5 +142,5 @@ def test_serve_subprocess(tiny_path, tmp_path):
             out, _ = proc.communicate()
     assert secret_value not in out and "subprocess server" not in out
     events = [json.loads(line) for line in trail.read_text().splitlines()]
-    assert {"request", "finish"} <= {e["event"] for e in events}
-    assert {e["tenant"] for e in events if e["event"] == "request"} == {"alice"}
+    assert {"engine", "summary"} == {e["event"] for e in events}  # default level: one line per request
+    assert {e["tenant"] for e in events if e["event"] == "summary"} == {"alice"}

@@ -78,7 +78,7 @@ def run_load(base_url: str, keys: dict[str, str], docs: dict[str, str]) -> dict:
 def test_load_isolation(tiny_path, tmp_path, isolation):
     trail = tmp_path / "trail.jsonl"
     llm = LLM(str(tiny_path), enable_prefix_caching=True, cache_isolation=isolation, num_blocks=4096,
-              max_num_seqs=64, audit_log=str(trail), seed=0)
+              max_num_seqs=64, audit_log=str(trail), audit_level="block", seed=0)  # reads hit events
     keys = {f"sk-client-{i:02d}": f"tenant{i % N_TENANTS}" for i in range(N_CLIENTS)}
     app = create_app(llm, keys, model_name=MODEL, report_cached_tokens=True)
     with BackgroundServer(app) as srv:

@@ -3,7 +3,8 @@
 * ``stats``    -- the reference test: one-sided KS at alpha = 1e-8 + ROC AUC (Gu et al., ICML 2025)
 * ``gu``       -- recomputes Gu et al.'s published verdicts from their raw timings
 * ``timing``   -- runs their protocol against any OpenAI-compatible endpoint
-* ``detector`` -- flags cross-tenant hits and prompt-probing patterns in the JSONL trail
+* ``detector`` -- flags cross-tenant hits, prompt probing and eviction pressure in the JSONL trail
+* ``trail``, ``rotation`` -- the trail itself (levels, schema v2) and its rotation
 * ``cli``      -- the ``minikv audit ...`` subcommands
 
 Names are resolved lazily: the engine imports ``minikv.audit.trail`` on its hot path, and that
@@ -19,7 +20,7 @@ _EXPORTS = {
     "gu_verdicts": "gu", "gu_table": "gu", "load_gu_runs": "gu", "find_gu_zip": "gu",
     "run_timing_audit": "timing", "TimingReport": "timing", "TimingPlan": "timing",
     "TimingAuditError": "timing",
-    "Finding": "detector", "detect": "detector", "load_trail": "detector",
+    "Finding": "detector", "detect": "detector", "load_trail": "detector", "load_trails": "detector",
     "add_audit_parser": "cli",
 }
 

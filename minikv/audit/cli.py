@@ -90,11 +90,12 @@ def _cmd_gu(args: argparse.Namespace) -> int:
 
 
 def _cmd_detect(args: argparse.Namespace) -> int:
-    from .detector import detect, format_findings, load_trail
+    from .detector import detect, format_findings, load_trails
 
     try:
-        findings = detect(load_trail(args.trail), threshold=args.threshold, block_size=args.block_size)
-    except (OSError, ValueError) as exc:
+        findings = detect(load_trails(args.trail), threshold=args.threshold, block_size=args.block_size,
+                          min_evictions=args.min_evictions)
+    except (OSError, ValueError, TypeError) as exc:
         return _err(str(exc))
     if args.json:
         import json
@@ -140,9 +141,13 @@ def _add_gu(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_detect(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("detect", help="flag cross-tenant hits and probing in an audit trail")
-    p.add_argument("trail", help="JSONL audit trail written by the server")
+    p = sub.add_parser("detect", help="flag cross-tenant hits, probing and eviction pressure in an audit trail",
+                       description="Read audit trails (a live path brings its rotated .N/.N.gz files, "
+                                   "oldest first) and print what the detector flags.")
+    p.add_argument("trail", nargs="+", help="JSONL audit trail(s) written by the server: paths or globs")
     p.add_argument("--threshold", type=int, default=8, help="requests per probing group (default 8)")
+    p.add_argument("--min-evictions", type=int, default=32,
+                   help="other tenants' blocks a tenant must evict to be flagged for eviction pressure (default 32)")
     p.add_argument("--block-size", type=int, help="KV block size (default: inferred from the trail)")
     p.add_argument("--json", action="store_true", help="print findings as JSON")
     p.add_argument("--fail-on-findings", action="store_true", help="exit 2 when anything is found")

@@ -2,7 +2,7 @@
 
 A timing audit (``minikv.audit.timing``) is what an *outsider* can do.  The operator sees more:
 every cache hit with the tenant that stored the block, and keyed fingerprints of every prompt's
-block-aligned prefixes.  Two patterns matter.
+block-aligned prefixes.  Three patterns matter.
 
 1. **Cross-tenant hits** -- a ``hit`` event whose ``owner_tenant`` differs from the requesting
    ``tenant`` on a block that is not inside an operator-declared shared prefix (``public``).
@@ -37,30 +37,92 @@ window).  A legitimate tenant that sends many very short (< 1 block) distinct me
 length after a fixed prompt -- a classifier API, say -- looks exactly like an enumeration and
 will be flagged.  Prompts shorter than one block carry no prefix fingerprint and are invisible.
 The detector is a triage tool for an operator, not proof of intent.
+
+3. **Eviction pressure** -- a tenant whose allocations keep evicting other tenants' cached blocks
+   (prime-and-probe, cache flushing); the rule and its limits are in ``minikv.audit.eviction``.
+
+Both trail levels work (docs/ARCHITECTURE.md, "Audit trail").  At ``"request"`` level each
+request is one ``summary`` record carrying what rules 1-3 need (``cross_tenant_hits`` and
+``evicted_owners`` pairs, ``prefix_fps``, ``tail_fp``); at ``"block"`` level the ``request``,
+``hit`` and ``evict`` events do.  A request is named by ``(engine, request_id)``: forks of one
+engine write into one file and number their requests from 0 each, so a finding writes
+``<request_id>@<engine>`` whenever a request id occurs under more than one engine tag.
+
+Reading: :func:`load_trail` reads a live trail together with its rotated, gzip-compressed
+files (oldest first); :func:`load_trails` takes several paths or glob patterns.
 """
 from __future__ import annotations
 
+import glob
+import gzip
 import json
 import os
+import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable
 
+from .eviction import eviction_pressure
+from .rotation import trail_files
+
 DEFAULT_BLOCK_SIZE = 16
+DEFAULT_MIN_EVICTIONS = 32  # other tenants' blocks one tenant must evict before rule 3 looks at it
+REQUEST_EVENTS = ("request", "summary")  # one per request: "summary" at request level, "request" at block level
 
 
 @dataclass(frozen=True)
 class Finding:
-    kind: str  # "cross_tenant_hit" | "probing"
+    kind: str  # "cross_tenant_hit" | "probing" | "eviction_pressure"
     tenant: str | None  # the tenant whose behaviour is flagged (the reader, for hits)
     detail: str
     request_ids: tuple[str, ...]
 
 
-def load_trail(path: str | os.PathLike) -> list[dict]:
-    """Parse a JSONL trail; blank lines are skipped, malformed ones raise ValueError with the line."""
+def load_trail(path: str | os.PathLike, *, rotated: bool = True) -> list[dict]:
+    """Parse a JSONL trail; blank lines are skipped, malformed ones raise ValueError with the line.
+
+    ``path`` is the live file: its rotated files (``path.N``, ``path.N.gz``) are read first,
+    oldest first, unless ``rotated=False``.  A path ending in ``.gz`` is decompressed; a rotated
+    file given by name is read alone."""
+    path = Path(path)
+    files = trail_files(path) if rotated and not _ROTATED.search(path.name) else [path]
+    if not files:
+        raise FileNotFoundError(f"no audit trail at {path} (nor rotated files {path.name}.N[.gz])")
+    return [ev for f in files for ev in _read_one(f, required=f == path)]
+
+
+def load_trails(patterns: Iterable[str | os.PathLike]) -> list[dict]:
+    """Events of several trails: each pattern is a path or a glob (``trails/*.jsonl``); a live
+    path brings its rotated files.  Each file is read once, a trail's files oldest first."""
+    files: list[Path] = []
+    rotated: set[Path] = set()  # found by listing, not named: may be pruned before we read them
+    for pat in patterns:
+        matches = sorted(glob.glob(str(pat))) if any(c in str(pat) for c in "*?[") else [str(pat)]
+        if not matches:
+            raise FileNotFoundError(f"no audit trail matches {pat}")
+        for m in map(Path, matches):
+            found = [m] if _ROTATED.search(m.name) else trail_files(m)
+            if not found:
+                raise FileNotFoundError(f"no audit trail at {m}")
+            rotated.update(f for f in found if f != m)
+            files.extend(f for f in found if f not in files)
+    return [ev for f in files for ev in _read_one(f, required=f not in rotated)]
+
+
+_ROTATED = re.compile(r"\.\d+(\.gz)?$")
+
+
+def _read_one(path: Path, required: bool = True) -> list[dict]:
+    """One file's events.  A rotated file found by listing may have been compressed (``.N``
+    became ``.N.gz``) or pruned since; the first is read instead, the second skipped."""
+    if not path.exists() and not path.name.endswith(".gz") and path.with_name(path.name + ".gz").exists():
+        path = path.with_name(path.name + ".gz")
+    if not required and not path.exists():
+        return []
+    opener = gzip.open if path.name.endswith(".gz") else open
     events = []
-    with open(path, encoding="utf-8") as fh:
+    with opener(path, "rt", encoding="utf-8") as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue
@@ -91,13 +153,30 @@ def infer_block_size(requests: Iterable[dict]) -> int | None:
     return hi if hi is not None and hi >= lo else None
 
 
-def _cross_tenant_hits(events: list[dict]) -> list[Finding]:
+def request_labeler(events: list[dict]):
+    """``label(event) -> str`` naming its request: the request id, qualified as
+    ``<request_id>@<engine>`` only when that id occurs under more than one engine tag."""
+    engines: dict = defaultdict(set)
+    for ev in events:
+        if ev.get("request_id") is not None:
+            engines[ev["request_id"]].add(ev.get("engine"))
+
+    def label(ev: dict) -> str:
+        rid = ev.get("request_id")
+        return f"{rid}@{ev.get('engine')}" if len(engines.get(rid, ())) > 1 else str(rid)
+    return label
+
+
+def _cross_tenant_hits(events: list[dict], label) -> list[Finding]:
     pairs: dict[tuple, list] = defaultdict(list)
     for ev in events:
+        if ev.get("event") == "summary":  # request level: [owner, count] pairs, public excluded
+            for owner, n in ev.get("cross_tenant_hits") or ():
+                pairs[(ev.get("tenant"), owner)].extend([label(ev)] * int(n))
         if ev.get("event") != "hit" or ev.get("public", False):
             continue
         if ev.get("owner_tenant") != ev.get("tenant"):
-            pairs[(ev.get("tenant"), ev.get("owner_tenant"))].append(ev.get("request_id"))
+            pairs[(ev.get("tenant"), ev.get("owner_tenant"))].append(label(ev))
     out = []
     for (tenant, owner), rids in pairs.items():
         uniq = tuple(dict.fromkeys(rids))
@@ -107,7 +186,7 @@ def _cross_tenant_hits(events: list[dict]) -> list[Finding]:
     return out
 
 
-def _probing(requests: list[dict], threshold: int, block_size: int) -> list[Finding]:
+def _probing(requests: list[dict], threshold: int, block_size: int, label) -> list[Finding]:
     by_tenant: dict = defaultdict(list)
     for r in requests:
         by_tenant[r.get("tenant")].append(r)
@@ -148,7 +227,7 @@ def _probing(requests: list[dict], threshold: int, block_size: int) -> list[Find
                 "probing", tenant,
                 f"{len(members)} requests ({distinct} distinct) share a {depth}-block prefix and differ "
                 f"only in the next tokens, lengths {min(lengths)}-{max(lengths)} tokens{also}",
-                tuple(str(m.get("request_id")) for m in members)))
+                tuple(label(m) for m in members)))
     return out
 
 
@@ -164,22 +243,31 @@ def _length_cluster(members: list[dict], block_size: int) -> list[dict]:
     return best
 
 
-def detect(events: Iterable[dict], threshold: int = 8, block_size: int | None = None) -> list[Finding]:
-    """Run both checks over trail events; cross-tenant hits first, then probing findings.
+def detect(events: Iterable[dict], threshold: int = 8, block_size: int | None = None,
+           min_evictions: int = DEFAULT_MIN_EVICTIONS) -> list[Finding]:
+    """Run the three checks over trail events (either level, v1 or v2): cross-tenant hits
+    first, then probing, then eviction pressure.
 
-    ``block_size`` defaults to the value inferred from the request events (else 16).
+    ``threshold``: requests per probing group.  ``block_size`` defaults to the value inferred
+    from the request records (else 16).  ``min_evictions``: other tenants' blocks a tenant must
+    have evicted before eviction pressure can flag it.
     """
-    if threshold < 2:
-        raise ValueError(f"threshold must be >= 2, got {threshold}")
+    for name, value, least in (("threshold", threshold, 2), ("min_evictions", min_evictions, 1)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+        if value < least:
+            raise ValueError(f"{name} must be >= {least}, got {value}")
     events = list(events)
-    requests = [e for e in events if e.get("event") == "request"]
+    label = request_labeler(events)
+    requests = [e for e in events if e.get("event") in REQUEST_EVENTS]
     bs = block_size or infer_block_size(requests) or DEFAULT_BLOCK_SIZE
-    return _cross_tenant_hits(events) + _probing(requests, threshold, bs)
+    return (_cross_tenant_hits(events, label) + _probing(requests, threshold, bs, label)
+            + eviction_pressure(events, label, min_evictions, Finding))
 
 
 def format_findings(findings: list[Finding]) -> str:
     if not findings:
-        return "no findings: no cross-tenant hits, no probing pattern"
+        return "no findings: no cross-tenant hits, no probing pattern, no eviction pressure"
     counts = Counter(f.kind for f in findings)
     lines = [f"{len(findings)} finding(s): " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))]
     for f in findings:

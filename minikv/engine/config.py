@@ -21,6 +21,7 @@ HASH_ALGOS = ("sha256", "hmac-sha256", "blake2b-keyed", "builtin", "trunc32", "p
 UNSAFE_HASH_ALGOS = ("builtin", "trunc32", "poly")
 VERIFY_MODES = (True, False, "tokens")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+AUDIT_LEVELS = ("request", "block")  # = minikv.audit.trail.LEVELS (not imported: the engine stays audit-free)
 
 
 class UnsafeSettingWarning(UserWarning):
@@ -60,6 +61,8 @@ class EngineConfig:
             every tenant may share; what follows them stays tenant-keyed.
         max_cached_blocks_per_tenant: quota of cached blocks per tenant (prime-and-probe defense).
         audit_log: path of the operator's JSONL audit trail, or None.
+        audit_level: ``"request"`` (one summary line per request) or ``"block"`` (one line per
+            block event, for tracing); see docs/ARCHITECTURE.md, "Audit trail".
         block_hasher / scrubber: learner-supplied implementations of the seams; they override
             ``hash_algo`` / ``scrub``.
     """
@@ -84,12 +87,14 @@ class EngineConfig:
     shared_prefixes: tuple = ()
     max_cached_blocks_per_tenant: int | None = None
     audit_log: str | None = None
+    audit_level: str = "request"
     block_hasher: Any = None
     scrubber: Any = None
 
     def __post_init__(self) -> None:
         _check_choice("cache_isolation", self.cache_isolation, CACHE_ISOLATION)
         _check_choice("scrub", self.scrub, SCRUB_POLICIES)
+        _check_choice("audit_level", self.audit_level, AUDIT_LEVELS)
         _check_choice("hash_algo", self.hash_algo, HASH_ALGOS)
         if self.verify_hits not in VERIFY_MODES or isinstance(self.verify_hits, int) and not isinstance(self.verify_hits, bool):
             raise ValueError(f"verify_hits must be True, False or 'tokens', got {self.verify_hits!r}")

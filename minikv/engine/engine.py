@@ -60,9 +60,11 @@ class LLMEngine:
             max_cached_per_tenant=c.max_cached_blocks_per_tenant)
         self.block_manager.listeners.append(self._on_block_event)
         self.audit = None
+        # Fingerprints in the trail are keyed with the operator key; a fork inherits it (``fork``).
+        self._operator_key = derive_operator_key(self._secret)
         if c.audit_log is not None:
             from ..audit.trail import AuditTrail
-            self.audit = AuditTrail(c.audit_log, derive_operator_key(self._secret), c.block_size)
+            self.audit = AuditTrail(c.audit_log, self._operator_key, c.block_size, level=c.audit_level)
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens)
         self._tenant_keys: dict[str | None, bytes] = {}
         self._shared_prefixes = [self.encode_prompt(p)[0] for p in c.shared_prefixes]
@@ -97,12 +99,23 @@ class LLMEngine:
 
     def fork(self, **overrides) -> "LLMEngine":
         """A new engine with its own pool, scheduler, keys and trail, sharing this one's weights.
-        ``overrides`` are :class:`EngineConfig` fields; the weights fix model, device and dtype."""
+        ``overrides`` are :class:`EngineConfig` fields; the weights fix model, device and dtype.
+        Unless given its own ``engine_secret``, the fork fingerprints with this engine's operator
+        key; with the same ``audit_log`` it writes into the same trail, tagged ``<tag>.<n>``."""
         for fixed in ("model", "device", "dtype"):
             if fixed in overrides:
                 raise ValueError(f"{fixed!r} cannot be overridden: a fork shares the parent's weights")
         cfg = dataclasses.replace(self.config, device=str(self.device), dtype=self.dtype, **overrides)
-        return LLMEngine(cfg, weights=(self.model, self.tokenizer, self.hf_config))
+        child = LLMEngine(cfg, weights=(self.model, self.tokenizer, self.hf_config))
+        if "engine_secret" not in overrides:
+            # One audit identity per engine family: identical content gets the same fingerprint
+            # in every fork's records.  A fork given its own secret is a separate domain.
+            child._operator_key = self._operator_key
+        if child.audit is not None:
+            # The fork's records carry the tag "<parent tag>.<n>", so the same request id in the
+            # parent and in a fork (both count from 0) never names two requests in one trail.
+            child.audit.set_lineage(child._operator_key, parent=self.audit)
+        return child
 
     def reset_prefix_cache(self, tenant=ALL_TENANTS) -> int:
         """Evict every cached, unreferenced block (or only those written by ``tenant``), as
@@ -189,9 +202,7 @@ class LLMEngine:
             self.stats["scrub_s"] += time.perf_counter() - t0
             # Log only hooks that really zero memory (a scrubber lists them in ``hooks``).
             if self.audit and hook in getattr(self.scrubber, "hooks", ("on_free", "on_alloc")):
-                for bid in ids:
-                    self.audit.record("scrub", request_id=seq.request_id if seq else None,
-                                      tenant=seq.tenant if seq else None, block_id=bid, fp=None, hook=hook)
+                self.audit.scrub(hook, ids, seq)
         if self.audit and event != "release":
             self.audit.block_event(event, ids, seq, self.block_manager.blocks)
 

@@ -163,7 +163,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     async def serve_all():
         await asyncio.gather(*(s.serve() for s in servers))
 
-    asyncio.run(serve_all())
+    try:
+        asyncio.run(serve_all())
+    finally:
+        if llm.engine.audit is not None:  # write the summaries of requests still in flight
+            llm.engine.audit.close()
     return 0
 
 

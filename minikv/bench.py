@@ -1,8 +1,10 @@
 """Benchmarks: minikv against transformers, side by side, in one process.
 
     python -m minikv.bench [--device cpu|cuda] [--model smollm2-135m-instruct] [--only throughput,ttft,isolation]
+    python -m minikv.bench --only fairness   # a tenant's rejected-anyway flood vs another's tokens (minutes)
+    python -m minikv.bench --only trail      # audit-trail bytes per request at each audit level
 
-Machines are shared and noisy, so every figure is a *ratio* of two measurements taken in the
+Machines are shared and noisy, so every speed figure is a *ratio* of two measurements taken in the
 same run, on the same prompts, with the same thread count, after a warm-up:
 
 * throughput: generated tokens/s on 16 requests of seeded random lengths 32-512 tokens,
@@ -10,7 +12,14 @@ same run, on the same prompts, with the same thread count, after a warm-up:
 * TTFT on a shared 1,000-token system prompt, with a prefix-cache hit vs a miss;
 * isolation costs: keyed hashing time as a fraction of prefill time, scrubbing time as a
   fraction of end-to-end time, and the hit-rate loss when N tenants share a system prompt,
-  with and without ``shared_prefixes``.
+  with and without ``shared_prefixes``;
+* fairness (:mod:`minikv.bench_fairness`, not in the default set: about 4 minutes on SmolLM2 with
+  2 cores): a victim's gap between streamed tokens, alone and against 1, 4 and 16 connections
+  of an abusive tenant, as ratios to the alone figure, with the default limits and the rate
+  limit off;
+* trail: bytes and lines of audit trail per request at each ``audit_level``, on a fixed
+  workload (tiny-random whatever ``--model`` says: the trail's size depends on blocks and
+  requests, not on weights).  An operator keeps a trail on only if it can afford the disk.
 """
 from __future__ import annotations
 
@@ -28,6 +37,7 @@ from .models.hub import resolve_model
 
 TARGETS = {"throughput_ratio": ">= 1.0", "ttft_hit_over_miss": "<= 0.15",
            "hash_over_prefill": "<= 0.01", "scrub_over_e2e": "<= 0.02"}
+SECTIONS = {"throughput", "ttft", "isolation", "fairness", "trail"}
 
 
 def _random_prompts(vocab: int, n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
@@ -160,15 +170,55 @@ def hit_rate_vs_tenants(base: LLM, tenants=(1, 4, 16, 64), seed=0, questions_per
     return results
 
 
+def bench_trail(requests: int = 200, tenants: int = 4, seed: int = 0, num_blocks: int = 128) -> dict:
+    """Audit-trail size per request at each level the engine supports.  Fixed workload: tiny-random,
+    prefix caching on, ``requests`` requests from ``tenants`` tenants, each tenant with its own
+    3-block system prompt plus a random question, 16 output tokens, in batches of 8; a pool of
+    ``num_blocks`` blocks, so that it fills and evicts as a long-running server's does."""
+    import tempfile
+    from pathlib import Path
+
+    from .engine import config as engine_config
+
+    levels = getattr(engine_config, "AUDIT_LEVELS", None)
+    if not levels:
+        return {"levels": {}, "skipped": "EngineConfig has no audit_level yet"}
+    out: dict = {"requests": requests, "tenants": tenants, "model": "tiny-random", "levels": {}}
+    for level in levels:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "trail.jsonl"
+            llm = LLM("tiny-random", device="cpu", enable_prefix_caching=True, num_blocks=num_blocks,
+                      audit_log=str(path), audit_level=level)
+            vocab = llm.engine.model.shape.vocab_size
+            systems = _random_prompts(vocab, tenants, 48, 48, seed)
+            questions = _random_prompts(vocab, requests, 8, 40, seed + 1)
+            params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+            for start in range(0, requests, 8):
+                batch = [start + i for i in range(min(8, requests - start))]
+                prompts = [systems[i % tenants] + questions[i] for i in batch]
+                llm.generate(prompts, params, tenant=[f"tenant-{i % tenants}" for i in batch])
+            llm.engine.audit.close()
+            files = sorted(path.parent.glob(path.name + "*"))
+            size = sum(f.stat().st_size for f in files)
+            lines = sum(f.read_bytes().count(b"\n") for f in files if not f.name.endswith(".gz"))
+        out["levels"][level] = {"bytes_per_request": size / requests, "lines_per_request": lines / requests,
+                                "files": len(files)}
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m minikv.bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None)
-    ap.add_argument("--only", default="throughput,ttft,isolation")
+    ap.add_argument("--only", default="throughput,ttft,isolation",
+                    help="comma-separated sections: " + ", ".join(sorted(SECTIONS)))
+    ap.add_argument("--fairness-rounds", type=int, default=1, help="repeat the fairness sweep (gaps pooled)")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = ap.parse_args(argv)
     sections = set(args.only.split(","))
+    if sections - SECTIONS:
+        ap.error(f"unknown section(s) {', '.join(sorted(sections - SECTIONS))}; choose from {', '.join(sorted(SECTIONS))}")
     path = resolve_model(args.model)
     llm = LLM(args.model, device=args.device, dtype=args.dtype)
     device, dtype = llm.engine.device, llm.engine.dtype
@@ -180,6 +230,11 @@ def main(argv=None) -> int:
         report["ttft"] = bench_ttft(args.model, args.device, args.dtype)
     if "isolation" in sections:
         report["isolation"] = bench_isolation(llm)
+    if "fairness" in sections:
+        from .bench_fairness import bench_fairness
+        report["fairness"] = bench_fairness(llm, rounds=args.fairness_rounds)
+    if "trail" in sections:
+        report["trail"] = bench_trail()
     print(format_report(report))
     if args.json:
         with open(args.json, "w") as f:
@@ -202,6 +257,16 @@ def format_report(report: dict) -> str:
         lines.append("  hit rate, N tenants sharing one system prompt:")
         for label, by_n in report["isolation"]["hit_rate"].items():
             lines.append(f"    {label:<26} " + "  ".join(f"N={n}: {r:5.1%}" for n, r in by_n.items()))
+    if "fairness" in report:
+        from .bench_fairness import format_fairness
+        lines += format_fairness(report["fairness"])
+    if "trail" in report:
+        t = report["trail"]
+        lines.append(f"  audit trail per request ({t.get('requests')} requests, {t.get('tenants')} tenants, "
+                     f"{t.get('model')}, prefix caching on):" if t["levels"] else f"  audit trail: {t['skipped']}")
+        for level, r in t["levels"].items():
+            lines.append(f"    audit_level={level:<8} {r['bytes_per_request']:9.0f} bytes  "
+                         f"{r['lines_per_request']:6.1f} lines   ({r['files']} file(s))")
     return "\n".join(lines)
 
 

@@ -24,3 +24,38 @@ def test_hit_rate_table_orders_the_policies():
     text = format_report({"model": "m", "device": "cpu", "dtype": "float32", "threads": 1,
                           "isolation": {"hash_over_prefill": 0.001, "hit_rate": rates}})
     assert "N=4" in text and "hash_over_prefill" in text
+
+
+def test_fairness_runs_and_counts_the_attackers_rejections():
+    """One attacker connection against a short victim stream, on tiny-random: every row has finite,
+    positive gaps, and every attacker request was refused (4xx).  Speed is reported, not asserted."""
+    import math
+
+    from minikv.bench_fairness import bench_fairness, format_fairness
+
+    res = bench_fairness(LLM("tiny-random", device="cpu"), attackers=(1,), victim_tokens=12)
+    rows = res["rows"]
+    assert {(r["limits"], r["attack"], r["conns"]) for r in rows} == {
+        (limits, attack, conns) for limits in ("default limits", "rate limit off")
+        for attack, conns in (("none", 0), ("oversize", 1), ("overlong", 1))}
+    for r in rows:
+        for key in ("median_ms", "p99_ms", "median_ratio", "p99_ratio"):
+            assert math.isfinite(r[key]) and r[key] > 0, (key, r)
+        if r["conns"]:
+            statuses = r["attacker_statuses"]
+            assert r["attacker_requests"] == sum(statuses.values()) > 0
+            assert all(s.isdigit() and 400 <= int(s) < 500 for s in statuses), statuses
+    text = "\n".join(format_fairness(res))
+    assert "overlong" in text and "CPU cores" in text
+
+
+def test_trail_section_reports_bytes_per_request_at_each_level():
+    from minikv.bench import bench_trail
+    from minikv.engine.config import AUDIT_LEVELS
+
+    res = bench_trail(requests=16)
+    assert set(res["levels"]) == set(AUDIT_LEVELS)
+    for r in res["levels"].values():
+        assert r["bytes_per_request"] > 0 and r["lines_per_request"] >= 1
+    if {"request", "block"} <= set(res["levels"]):  # the summary level writes one line per request
+        assert res["levels"]["request"]["lines_per_request"] < res["levels"]["block"]["lines_per_request"]

@@ -17,9 +17,10 @@ same run, on the same prompts, with the same thread count, after a warm-up:
   2 cores): a victim's gap between streamed tokens, alone and against 1, 4 and 16 connections
   of an abusive tenant, as ratios to the alone figure, with the default limits and the rate
   limit off;
-* trail: bytes and lines of audit trail per request at each ``audit_level``, on a fixed
-  workload (tiny-random whatever ``--model`` says: the trail's size depends on blocks and
-  requests, not on weights).  An operator keeps a trail on only if it can afford the disk.
+* trail: bytes of audit trail per request at each ``audit_level``
+  (:mod:`minikv.audit.trail_size`; tiny-random whatever ``--model`` says: the trail's size
+  depends on blocks and requests, not on weights).  An operator keeps a trail on only if it
+  can afford the disk.
 """
 from __future__ import annotations
 
@@ -170,40 +171,14 @@ def hit_rate_vs_tenants(base: LLM, tenants=(1, 4, 16, 64), seed=0, questions_per
     return results
 
 
-def bench_trail(requests: int = 200, tenants: int = 4, seed: int = 0, num_blocks: int = 128) -> dict:
-    """Audit-trail size per request at each level the engine supports.  Fixed workload: tiny-random,
-    prefix caching on, ``requests`` requests from ``tenants`` tenants, each tenant with its own
-    3-block system prompt plus a random question, 16 output tokens, in batches of 8; a pool of
-    ``num_blocks`` blocks, so that it fills and evicts as a long-running server's does."""
-    import tempfile
-    from pathlib import Path
+def bench_trail() -> dict:
+    """Audit-trail bytes per request at each ``audit_level``, measured by
+    :func:`minikv.audit.trail_size.trail_bytes_per_request` on its fixed workload (tiny-random,
+    200 requests from 4 tenants, prefix caching on, a 128-block pool that fills and evicts)."""
+    from .audit.trail_size import trail_bytes_per_request
 
-    from .engine import config as engine_config
-
-    levels = getattr(engine_config, "AUDIT_LEVELS", None)
-    if not levels:
-        return {"levels": {}, "skipped": "EngineConfig has no audit_level yet"}
-    out: dict = {"requests": requests, "tenants": tenants, "model": "tiny-random", "levels": {}}
-    for level in levels:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "trail.jsonl"
-            llm = LLM("tiny-random", device="cpu", enable_prefix_caching=True, num_blocks=num_blocks,
-                      audit_log=str(path), audit_level=level)
-            vocab = llm.engine.model.shape.vocab_size
-            systems = _random_prompts(vocab, tenants, 48, 48, seed)
-            questions = _random_prompts(vocab, requests, 8, 40, seed + 1)
-            params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-            for start in range(0, requests, 8):
-                batch = [start + i for i in range(min(8, requests - start))]
-                prompts = [systems[i % tenants] + questions[i] for i in batch]
-                llm.generate(prompts, params, tenant=[f"tenant-{i % tenants}" for i in batch])
-            llm.engine.audit.close()
-            files = sorted(path.parent.glob(path.name + "*"))
-            size = sum(f.stat().st_size for f in files)
-            lines = sum(f.read_bytes().count(b"\n") for f in files if not f.name.endswith(".gz"))
-        out["levels"][level] = {"bytes_per_request": size / requests, "lines_per_request": lines / requests,
-                                "files": len(files)}
-    return out
+    return {"bytes_per_request": trail_bytes_per_request(), "model": "tiny-random",
+            "workload": "minikv.audit.trail_size: 200 requests, 4 tenants, prefix caching on, 128 blocks"}
 
 
 def main(argv=None) -> int:
@@ -261,12 +236,9 @@ def format_report(report: dict) -> str:
         from .bench_fairness import format_fairness
         lines += format_fairness(report["fairness"])
     if "trail" in report:
-        t = report["trail"]
-        lines.append(f"  audit trail per request ({t.get('requests')} requests, {t.get('tenants')} tenants, "
-                     f"{t.get('model')}, prefix caching on):" if t["levels"] else f"  audit trail: {t['skipped']}")
-        for level, r in t["levels"].items():
-            lines.append(f"    audit_level={level:<8} {r['bytes_per_request']:9.0f} bytes  "
-                         f"{r['lines_per_request']:6.1f} lines   ({r['files']} file(s))")
+        lines.append("  audit trail, bytes per request (tiny-random, 200 requests, 4 tenants, prefix caching on):")
+        for level, size in report["trail"]["bytes_per_request"].items():
+            lines.append(f"    audit_level={level:<8} {size:9,.0f} bytes/request")
     return "\n".join(lines)
 
 

@@ -312,3 +312,49 @@ def test_health_recovers_after_a_failed_step(tiny_path):
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
         assert _complete(c).status_code == 200  # the next step succeeds...
         assert httpx.get(s.url + "/health").status_code == 200  # ...and health follows it
+
+
+# ------------------------------------------------------------------ the tokenizer thread is fair-share
+_GATE = None  # module-level: the fake tokenizer is deep-copied, and an Event cannot be
+
+
+class _SlowTokenizer:
+    """Records the order it encodes prompts in; the first call waits for the test to open the gate."""
+
+    all_special_tokens, added_tokens_decoder, model_max_length = [], {}, 512
+    order: list = []
+
+    def __call__(self, text, **kw):
+        if not _SlowTokenizer.order:
+            _GATE.wait(10)
+        _SlowTokenizer.order.append(text)
+        return type("Enc", (), {"input_ids": [1, 2, 3]})()
+
+
+def test_tokenizer_thread_serves_tenants_round_robin():
+    import asyncio
+    import threading
+
+    from minikv.serve.tokenize import PromptEncoder
+
+    global _GATE
+    _GATE = threading.Event()
+    _SlowTokenizer.order = []
+    enc = PromptEncoder(_SlowTokenizer(), max_model_len=64)
+
+    async def scenario():
+        jobs = [asyncio.ensure_future(enc.encode(f"mallory-{i}", "mallory")) for i in range(6)]
+        await asyncio.sleep(0.05)  # mallory-0 is being encoded; 1-5 wait in mallory's queue
+        jobs.append(asyncio.ensure_future(enc.encode("victim", "victim")))
+        await asyncio.sleep(0.05)
+        _GATE.set()
+        return await asyncio.gather(*jobs)
+
+    try:
+        results = asyncio.run(scenario())
+    finally:
+        enc.close()
+    assert all(r == [1, 2, 3] for r in results)
+    # First-in first-out would put the victim last (7th); round-robin puts it after at most two of mallory's.
+    assert _SlowTokenizer.order.index("victim") <= 2, _SlowTokenizer.order
+    assert _SlowTokenizer.order[0] == "mallory-0"

@@ -78,6 +78,9 @@ from .tokenize import ChatPrompt, PromptEncoder
 log = logging.getLogger("minikv.serve")
 
 DEFAULT_CHAT_MAX_TOKENS = 256
+# Default prompt cap: a prompt that fits the context has fewer tokens than max_model_len, and
+# even code full of long whitespace runs averages well under 16 characters per token.
+PROMPT_CHARS_PER_TOKEN = 16
 
 
 def _keys(keys: ApiKeys | Mapping[str, str] | None) -> ApiKeys | None:
@@ -184,7 +187,7 @@ def create_app(llm_or_engine, api_keys: ApiKeys | Mapping[str, str], *, model_na
     async def start(request_id: str, prompt, params, tenant: str):
         """Tokenize (off the engine thread), submit, and wait until the engine accepted it."""
         try:
-            ids = await encoder.encode(prompt)
+            ids = await encoder.encode(prompt, tenant)
             return await runner.open(request_id, ids, params, tenant)
         except (ValueError, TypeError, RequestRejected) as exc:
             raise APIError(400, str(exc)) from None
@@ -196,14 +199,15 @@ def create_app(llm_or_engine, api_keys: ApiKeys | Mapping[str, str], *, model_na
         limiter.check_rate(tenant)
         check_content_length(request, limits.max_body_bytes)
         lease = await limiter.acquire(tenant)
+        max_chars = limits.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * engine.max_model_len
         handed_off = False
         try:
             body = await read_json(request, limits.max_body_bytes)
             model = check_model(body)
             if chat:
-                prompt: Any = ChatPrompt(_chat_messages(body, limits.max_prompt_chars, limits.max_messages))
+                prompt: Any = ChatPrompt(_chat_messages(body, max_chars, limits.max_messages))
             else:
-                prompt = _completion_prompt(body, limits.max_prompt_chars)
+                prompt = _completion_prompt(body, max_chars)
             params = _sampling_params(body, DEFAULT_CHAT_MAX_TOKENS if chat else 16, engine.max_model_len, chat)
             try:
                 lease.reserve(params.max_tokens)

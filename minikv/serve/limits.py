@@ -45,7 +45,8 @@ class ServeLimits:
         max_tokens_in_flight: sum of ``max_tokens`` over the tenant's admitted requests.
     Per request (checked in :mod:`minikv.serve.protocol`, before tokenization)
         max_body_bytes: request body size (413 above it).
-        max_prompt_chars: characters of a prompt, or of all messages of a chat together.
+        max_prompt_chars: characters of a prompt, or of all messages of a chat together
+            (None: 16 characters per token of the model's context).
         max_messages: messages in one chat request.
     """
 
@@ -55,7 +56,7 @@ class ServeLimits:
     max_queued: int | None = 64
     max_tokens_in_flight: int | None = 65536
     max_body_bytes: int = 1 << 20
-    max_prompt_chars: int = 256 * 1024
+    max_prompt_chars: int | None = None
     max_messages: int = 256
 
     def __post_init__(self) -> None:
@@ -63,8 +64,10 @@ class ServeLimits:
             value = getattr(self, name)
             if value is not None:
                 _check_number(name, value, allow_float=name == "requests_per_s", allow_zero=name == "max_queued")
-        for name in ("burst", "max_body_bytes", "max_prompt_chars", "max_messages"):
+        for name in ("burst", "max_body_bytes", "max_messages"):
             _check_number(name, getattr(self, name), allow_float=False)
+        if self.max_prompt_chars is not None:
+            _check_number("max_prompt_chars", self.max_prompt_chars, allow_float=False)
 
 
 def _check_number(name: str, value, allow_float: bool, allow_zero: bool = False) -> None:

@@ -178,7 +178,8 @@ def test_shutdown_scrubs_the_whole_pool(donor, tmp_path):
 
 def test_restart_scrubs_and_churn_resets_hits(donor):
     prompt = tokens(11, 48)
-    steady = EdgeFleet(donor, 1, "prefix", enable_prefix_caching=True, num_blocks=16, engine_secret=SECRET)
+    # 32 blocks: the default quota (1/8 of the pool = 4 blocks) holds the 3-block prompt
+    steady = EdgeFleet(donor, 1, "prefix", enable_prefix_caching=True, num_blocks=32, engine_secret=SECRET)
     hits = [steady.submit(prompt + [3 + k], tenant="a").num_cached_tokens for k in range(4)]
     assert hits == [0, 48, 48, 48]
 
@@ -222,12 +223,18 @@ def test_merged_trails_need_one_secret_to_show_spread_probing(donor, tmp_path):
 def test_quota_closes_prime_and_probe(donor):
     sizes = dict(num_blocks=24, attacker_blocks=8, victim_blocks=2)
     full = 8 * 16
-    assert prime_and_probe(donor, 0, **sizes) == full
-    without = [prime_and_probe(donor, v, **sizes) for v in (4, 10, 14)]
+    off = dict(sizes, quota="unlimited")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnsafeSettingWarning)
+        assert prime_and_probe(donor, 0, **off) == full
+        without = [prime_and_probe(donor, v, **off) for v in (4, 10, 14)]
     with_quota = [prime_and_probe(donor, v, quota=8, **sizes) for v in (4, 10, 14)]
     assert without[0] == full and without[-1] < full and without[-1] == 0
     assert without == sorted(without, reverse=True)
     assert with_quota == [full] * 3
+    # The default quota (24 // 8 = 3 blocks) keeps only 3 of the attacker's 8 primed blocks, and
+    # the victim's load takes none of them: the probe reads the same whatever the victim did.
+    assert {prime_and_probe(donor, v, **sizes) for v in (0, 4, 10, 14)} == {3 * 16}
 
 
 def test_fleet_validates_arguments(donor):

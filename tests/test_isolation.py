@@ -157,20 +157,24 @@ def test_unchained_keys_contaminate_unless_parent_is_verified():
 
 
 def test_quota_keeps_a_noisy_tenant_from_evicting_a_neighbour():
-    """Prime-and-probe: the attacker floods the pool; with a per-tenant quota the victim's
-    cached blocks survive, without one they are evicted."""
+    """Prime-and-probe: the attacker floods the pool; with a per-tenant quota (the default one,
+    num_blocks // 8, or an explicit one) the victim's cached blocks survive; with the quota
+    turned off ("unlimited") they are evicted."""
     victim_prompt = SECRET * 2
     results = {}
-    for quota in (None, 8):
-        llm = LLM("tiny-random", device="cpu", block_size=BS, num_blocks=150, enable_prefix_caching=True,
-                  max_cached_blocks_per_tenant=quota)
+    for quota in ("unlimited", None, 8):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UnsafeSettingWarning)
+            llm = LLM("tiny-random", device="cpu", block_size=BS, num_blocks=150, enable_prefix_caching=True,
+                      max_cached_blocks_per_tenant=quota)
         llm.generate(victim_prompt, P, tenant="victim")
         for i in range(6):
             llm.generate(f"flood {i} " + "x" * 300, P, tenant="attacker")
         results[quota] = llm.generate(victim_prompt, P, tenant="victim")[0].num_cached_tokens
         llm.engine.check_invariants()
-    assert results[None] == 0, "without a quota the flood should evict the victim's cache"
-    assert results[8] > 0, "with a quota the victim's cache should survive"
+    assert results["unlimited"] == 0, "without a quota the flood should evict the victim's cache"
+    assert results[None] == (150 // 8) * BS, "the default quota keeps num_blocks // 8 of the victim's blocks"
+    assert results[8] == 8 * BS, "with a quota the victim's cache should survive"
 
 
 @pytest.mark.model

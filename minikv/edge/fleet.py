@@ -139,7 +139,7 @@ def merge_trails(paths: Iterable[str | Path]) -> list[dict]:
 
 
 # --------------------------------------------------------------------------- prime and probe
-def prime_and_probe(weights, victim_requests: int, *, quota: int | None = None, num_blocks: int = 16,
+def prime_and_probe(weights, victim_requests: int, *, quota: int | str | None = None, num_blocks: int = 16,
                     block_size: int = 16, attacker_blocks: int = 4, victim_blocks: int = 3,
                     seed: int = 0) -> int:
     """One round of prime-and-probe on a fresh tenant-isolated instance; returns how many of the
@@ -155,6 +155,8 @@ def prime_and_probe(weights, victim_requests: int, *, quota: int | None = None, 
     its own hits drop -- a measure of the victim's activity and volume.  With
     ``quota=max_cached_blocks_per_tenant`` each tenant recycles its own cache first, so (with
     the pool sized for the quotas) the victim's load never evicts the attacker's blocks.
+    ``quota`` is passed as ``max_cached_blocks_per_tenant``: None is the engine's default
+    (``num_blocks // 8``), ``"unlimited"`` turns the quota off (UNSAFE: the attack works).
     """
     import random
     rng = random.Random(seed)

@@ -14,9 +14,15 @@ Every physical block is in exactly one of three states:
 Cached blocks are evicted lazily, least recently used first, only when a request needs a block
 and the free list is empty (vLLM and SGLang do the same: an idle cache is free capacity).
 
+With a per-tenant quota (``max_cached_per_tenant``), a tenant keeps at most that many cached
+blocks (its oldest go first when it stores more), and a tenant that needs a block recycles its
+own cached blocks before the LRU takes anyone else's: prime-and-probe (lesson 10).
+
 Listeners receive ``(event, block_ids, seq)`` for ``allocate, hit, store, evict, free,
 release``.  The engine turns ``evict``/``release`` (a block leaves for the free list) and
-``allocate`` (a block is handed out without a hit) into scrub calls and audit records.
+``allocate`` (a block is handed out without a hit) into scrub calls and audit records.  An
+``evict`` names the sequence that caused it (the one allocating, or the one whose tenant went
+over quota); only an operator's ``evict_cached`` passes None.
 """
 from __future__ import annotations
 
@@ -165,7 +171,7 @@ class BlockManager:
         return True
 
     def _allocate_fresh(self, seq: Sequence, n: int) -> None:
-        fresh = [self._take_free_block(seq.tenant) for _ in range(n)]
+        fresh = [self._take_free_block(seq) for _ in range(n)]
         for bid in fresh:
             block = self.blocks[bid]
             block.generation += 1
@@ -182,16 +188,18 @@ class BlockManager:
         block.ref_count += 1
         block.holders.append(seq.request_id)
 
-    def _take_free_block(self, tenant: str | None) -> int:
+    def _take_free_block(self, seq: Sequence) -> int:
         if self.free_ids:
             return self.free_ids.popleft()
         victim = next(iter(self.cached_free))
         if self.max_cached_per_tenant is not None:
             # With quotas on, a tenant recycles its own cache before anyone else's, so its
             # load cannot flush a neighbour's blocks (the prime-and-probe side channel).
-            own = next((b for b in self.cached_free if self.blocks[b].writer_tenant == tenant), None)
+            own = next((b for b in self.cached_free if self.blocks[b].writer_tenant == seq.tenant), None)
             victim = own if own is not None else victim
-        self._evict(victim, None)
+        # The event names ``seq``, the request whose allocation forced the eviction, so the
+        # audit trail can tell who keeps evicting whom (the block itself names its writer).
+        self._evict(victim, seq)
         return self.free_ids.pop()
 
     def _evict(self, bid: int, seq: Sequence | None) -> None:
@@ -226,7 +234,8 @@ class BlockManager:
             self.hash_table[h] = block.block_id
             stored.append(block.block_id)
         self._emit("store", stored, seq)
-        self._enforce_quota(seq.tenant, seq)
+        if stored:  # a tenant's cached count grows only here; free() re-checks when blocks idle
+            self._enforce_quota(seq.tenant, seq)
 
     def evict_cached(self, tenant=ALL_TENANTS) -> int:
         """Evict every cached, unreferenced block (only ``tenant``'s, if given); return how many."""

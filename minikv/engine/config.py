@@ -11,17 +11,23 @@ and each one enables a leak that a lesson demonstrates; choosing one emits an
 """
 from __future__ import annotations
 
+import math
+import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
+
+from .checks import as_int, as_real, as_seed, show
 
 CACHE_ISOLATION = ("shared", "tenant", "request")
 SCRUB_POLICIES = ("none", "on_free", "on_alloc")
 HASH_ALGOS = ("sha256", "hmac-sha256", "blake2b-keyed", "builtin", "trunc32", "poly")
 UNSAFE_HASH_ALGOS = ("builtin", "trunc32", "poly")
-VERIFY_MODES = (True, False, "tokens")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 AUDIT_LEVELS = ("request", "block")  # = minikv.audit.trail.LEVELS (not imported: the engine stays audit-free)
+DEVICE_TYPES = ("cpu", "cuda", "mps")
+UNLIMITED = "unlimited"  # max_cached_blocks_per_tenant: no quota (UNSAFE; lessons on prime-and-probe)
+QUOTA_SHARE = 8  # default quota: 1/QUOTA_SHARE of the pool per tenant (see cache_quota)
 
 
 class UnsafeSettingWarning(UserWarning):
@@ -35,7 +41,7 @@ class EngineConfig:
     Engine core
         model: a registry name (``"smollm2-135m-instruct"``, ``"tiny-random"``) or a local
             transformers checkpoint directory of a Llama-family model.
-        device: ``"cpu"``, ``"cuda"`` or None (CUDA when available).
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:N"``, ``"mps"`` or None (CUDA when available).
         dtype: ``"float32"``, ``"bfloat16"``, ``"float16"`` or None/``"auto"`` (fp32 on CPU,
             bf16 on CUDA).
         block_size: tokens per KV block (PagedAttention's page size).
@@ -59,7 +65,21 @@ class EngineConfig:
             Never logged, never returned: it is excluded from ``repr``.
         shared_prefixes: operator-declared public prefixes (str or token lists) whose blocks
             every tenant may share; what follows them stays tenant-keyed.
-        max_cached_blocks_per_tenant: quota of cached blocks per tenant (prime-and-probe defense).
+        max_cached_blocks_per_tenant: most cached blocks one tenant may keep, the defense against
+            prime-and-probe (an attacker fills the pool with its own cached blocks and counts how
+            many a victim's load evicts).  With a quota, a tenant that needs room recycles its
+            own cached blocks before anyone else's, and trims its cache to the quota when a
+            request ends.  None (default) means ``max(1, num_blocks // 8)`` under ``"tenant"``
+            and ``"request"`` isolation: one tenant keeps at most 1/8 of the pool, so the other
+            7/8 is left for everyone else's running requests and caches, and one attacker account
+            cannot make a victim's request evict its blocks unless that request (plus the caches
+            of the other busy tenants) needs more than 7/8 of the pool.  A bigger share raises
+            a lone tenant's hit rate and shrinks the room the guarantee needs; 1/8 is a plain
+            middle.  Under ``"shared"`` the default stays unbounded (that mode is UNSAFE
+            anyway).  UNSAFE ``"unlimited"`` turns the quota off, for the lessons that show the
+            attack.  **No per-tenant quota survives an attacker with many accounts**: 8 accounts
+            at quota fill the pool, and then every new allocation must evict somebody's cached
+            block -- the channel is narrowed to "one account's share", not closed.
         audit_log: path of the operator's JSONL audit trail, or None.
         audit_level: ``"request"`` (one summary line per request) or ``"block"`` (one line per
             block event, for tracing); see docs/ARCHITECTURE.md, "Audit trail".
@@ -85,7 +105,7 @@ class EngineConfig:
     scrub: str = "on_alloc"
     engine_secret: bytes | None = field(default=None, repr=False)
     shared_prefixes: tuple = ()
-    max_cached_blocks_per_tenant: int | None = None
+    max_cached_blocks_per_tenant: int | str | None = None  # None: num_blocks // 8 (see cache_quota)
     audit_log: str | None = None
     audit_level: str = "request"
     block_hasher: Any = None
@@ -96,17 +116,39 @@ class EngineConfig:
         _check_choice("scrub", self.scrub, SCRUB_POLICIES)
         _check_choice("audit_level", self.audit_level, AUDIT_LEVELS)
         _check_choice("hash_algo", self.hash_algo, HASH_ALGOS)
-        if self.verify_hits not in VERIFY_MODES or isinstance(self.verify_hits, int) and not isinstance(self.verify_hits, bool):
-            raise ValueError(f"verify_hits must be True, False or 'tokens', got {self.verify_hits!r}")
-        if self.dtype is not None and not _is_torch_dtype(self.dtype):
+        if not (isinstance(self.verify_hits, bool) or self.verify_hits == "tokens"):  # 1 or 1.0 == True
+            raise ValueError(f"verify_hits must be True, False or 'tokens', got {show(self.verify_hits)}")
+        if _is_torch_dtype(self.dtype):
+            _check_choice("dtype", str(self.dtype).removeprefix("torch."), DTYPES)
+        elif self.dtype is not None:
             _check_choice("dtype", self.dtype, DTYPES)
-        if self.device is not None and not isinstance(self.device, str):
-            self.device = str(self.device)
+        if self.device is not None:
+            self.device = _check_device(self.device)
+        if not isinstance(self.model, (str, os.PathLike)):
+            raise TypeError(f"model must be a name or a path, got {type(self.model).__name__} ({show(self.model)})")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            _check_positive_int(name, getattr(self, name))
-        for name in ("num_blocks", "max_model_len", "max_cached_blocks_per_tenant"):
+            setattr(self, name, _positive_int(name, getattr(self, name)))
+        for name in ("num_blocks", "max_model_len"):
             if getattr(self, name) is not None:
-                _check_positive_int(name, getattr(self, name))
+                setattr(self, name, _positive_int(name, getattr(self, name)))
+        if self.max_cached_blocks_per_tenant not in (None, UNLIMITED):
+            if isinstance(self.max_cached_blocks_per_tenant, str):
+                raise ValueError(f"max_cached_blocks_per_tenant={show(self.max_cached_blocks_per_tenant)} is not "
+                                 f"valid; give a number of blocks, None (the default quota) or {UNLIMITED!r}")
+            self.max_cached_blocks_per_tenant = _positive_int("max_cached_blocks_per_tenant",
+                                                              self.max_cached_blocks_per_tenant)
+        # NaN and inf slip past "<= 0" and blow up only after the model has loaded.
+        self.kv_cache_memory_gb = as_real("kv_cache_memory_gb", self.kv_cache_memory_gb)
+        if self.kv_cache_memory_gb <= 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
+        self.seed = as_seed("seed", self.seed)
+        if self.audit_log is not None and not isinstance(self.audit_log, (str, os.PathLike)):
+            raise TypeError(f"audit_log must be a path or None, got {type(self.audit_log).__name__}")
+        if self.block_hasher is not None and not callable(self.block_hasher):
+            raise TypeError(f"block_hasher must be callable, got {type(self.block_hasher).__name__}")
+        if self.scrubber is not None and not all(callable(getattr(self.scrubber, m, None))
+                                                 for m in ("on_free", "on_alloc")):
+            raise TypeError(f"scrubber must have on_free and on_alloc methods, got {type(self.scrubber).__name__}")
         if not isinstance(self.chain_hashes, bool):
             raise TypeError(f"chain_hashes must be a bool, got {type(self.chain_hashes).__name__}")
         if not isinstance(self.enable_prefix_caching, bool):
@@ -121,9 +163,31 @@ class EngineConfig:
         if isinstance(self.shared_prefixes, (str, bytes)):
             self.shared_prefixes = (self.shared_prefixes,)
         self.shared_prefixes = tuple(self.shared_prefixes or ())
-        if self.kv_cache_memory_gb <= 0:
-            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
+        for i, p in enumerate(self.shared_prefixes):  # token ids are checked against the vocabulary later
+            is_text = isinstance(p, str) and p
+            is_ids = isinstance(p, (list, tuple)) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+            if not (is_text or is_ids):
+                raise TypeError(f"shared_prefixes[{i}] must be a non-empty str or list of token ids, "
+                                f"got {show(p)}")
         self._warn_unsafe()
+
+    def default_num_blocks(self, bytes_per_token: int, max_model_len: int) -> int:
+        """Pool size when ``num_blocks`` is None: what ``kv_cache_memory_gb`` holds, but no more
+        than ``max_num_seqs`` full-length sequences need, and never less than one of them."""
+        budget = int(self.kv_cache_memory_gb * 2**30) // (bytes_per_token * self.block_size)
+        wanted = math.ceil(max_model_len * self.max_num_seqs / self.block_size)
+        return max(math.ceil(max_model_len / self.block_size) + 1, min(budget, wanted))
+
+    def cache_quota(self, num_blocks: int) -> int | None:
+        """The cached-block quota per tenant for a pool of ``num_blocks`` (None = no quota).
+
+        Default (``max_cached_blocks_per_tenant=None``): ``max(1, num_blocks // 8)`` under
+        ``"tenant"`` and ``"request"`` isolation; no quota under ``"shared"``, which is UNSAFE
+        anyway.  See the class docstring for why 1/8 and what a quota cannot do."""
+        q = self.max_cached_blocks_per_tenant
+        if q == UNLIMITED or (q is None and self.cache_isolation == "shared"):
+            return None
+        return q if q is not None else max(1, num_blocks // QUOTA_SHARE)
 
     def unsafe_settings(self) -> list[str]:
         """Names and values of every deliberately insecure setting in this config."""
@@ -138,6 +202,8 @@ class EngineConfig:
             found.append(f"verify_hits={self.verify_hits!r}")
         if self.scrub == "none" and self.scrubber is None:
             found.append("scrub='none'")
+        if self.enable_prefix_caching and self.max_cached_blocks_per_tenant == UNLIMITED:
+            found.append(f"max_cached_blocks_per_tenant={UNLIMITED!r}")
         return found
 
     def _warn_unsafe(self) -> None:
@@ -149,14 +215,46 @@ class EngineConfig:
 
 def _check_choice(name: str, value: Any, choices: tuple) -> None:
     if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"{name}={value!r} is not valid; choose one of {', '.join(map(repr, choices))}")
+        raise ValueError(f"{name}={show(value)} is not valid; choose one of {', '.join(map(repr, choices))}")
 
 
-def _check_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+def _positive_int(name: str, value: Any) -> int:
+    value = as_int(name, value)
     if value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value!r}")
+        raise ValueError(f"{name} must be > 0, got {show(value)}")
+    return value
+
+
+def _check_device(value: Any) -> str:
+    """A device name torch parses, of a type minikv runs on: cpu, cuda, cuda:N or mps.
+    (Whether that device exists on this machine is checked by :func:`resolve_device`.)"""
+    if not isinstance(value, str) and type(value).__name__ != "device":
+        raise TypeError(f"device must be a str such as 'cpu' or 'cuda:0', got {type(value).__name__} ({show(value)})")
+    import torch  # here, not at the top: building a config must not cost a torch import
+
+    try:
+        dev = torch.device(value)
+    except (RuntimeError, ValueError, TypeError):
+        dev = None
+    if dev is None or dev.type not in DEVICE_TYPES:
+        raise ValueError(f"device={show(value)} is not valid; use 'cpu', 'cuda', 'cuda:N' or 'mps'")
+    return str(dev)
+
+
+def resolve_device(name: str | None):
+    """The ``torch.device`` an engine runs on (CUDA when available if ``name`` is None), or a
+    ValueError if the named device is not present here -- raised before any weights load."""
+    import torch
+
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(_check_device(name))
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        raise ValueError(f"device={name!r}: no such CUDA device here "
+                         f"({torch.cuda.device_count() if torch.cuda.is_available() else 0} available)")
+    if dev.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device={name!r}: MPS is not available on this machine")
+    return dev
 
 
 def _is_torch_dtype(value: Any) -> bool:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import time
 
 import torch
@@ -22,15 +21,17 @@ from ..models.hub import resolve_model
 from ..security.hashing import make_hasher
 from ..security.keys import derive_operator_key, derive_tenant_key, new_engine_secret
 from ..security.scrub import make_scrubber
+from . import step_guard
 from .block_manager import ALL_TENANTS, BlockManager
-from .config import EngineConfig
+from .checks import as_int, show
+from .config import EngineConfig, resolve_device
 from .kv_pool import KVPool, bytes_per_token
-from .loader import load_model, resolve_dtype
+from .loader import eos_token_ids, load_model, resolve_dtype
 from .model_runner import prepare_inputs
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput
-from .sampling import SamplingParams, sample
+from .outputs import RequestOutput
+from .sampling import SamplingParams, sample_row, stop_reason
 from .scheduler import Scheduler
-from .sequence import Sequence, SequenceStatus
+from .sequence import Sequence, SequenceStatus, common_prefix_len
 
 
 class LLMEngine:
@@ -38,7 +39,7 @@ class LLMEngine:
         """``weights=(model, tokenizer, hf_config)`` reuses another engine's loaded (read-only)
         weights instead of reading the checkpoint: several engines, one copy of the model."""
         self.config = c = config if config is not None else EngineConfig(**kwargs)
-        self.device = torch.device(c.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = resolve_device(c.device)  # a missing device fails here, before the weights load
         self.dtype = resolve_dtype(c.dtype, self.device)
         if weights is None:
             weights = load_model(resolve_model(c.model), self.dtype, self.device)
@@ -47,7 +48,7 @@ class LLMEngine:
         self.block_size = c.block_size
         self.max_model_len = min(c.max_model_len or s.max_position, s.max_position)
         self.bytes_per_token = bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype)
-        self.num_blocks = c.num_blocks or self._default_num_blocks()
+        self.num_blocks = c.num_blocks or c.default_num_blocks(self.bytes_per_token, self.max_model_len)
         scrubber = c.scrubber if c.scrubber is not None else make_scrubber(c.scrub)
         self.scrubber = scrubber
         self.pool = KVPool(s.num_layers, self.num_blocks, c.block_size, s.num_kv_heads, s.head_dim,
@@ -57,7 +58,7 @@ class LLMEngine:
         self.block_manager = BlockManager(
             self.num_blocks, c.block_size, hasher=hasher, enable_caching=c.enable_prefix_caching,
             chain_hashes=c.chain_hashes, verify_hits=c.verify_hits,
-            max_cached_per_tenant=c.max_cached_blocks_per_tenant)
+            max_cached_per_tenant=c.cache_quota(self.num_blocks))
         self.block_manager.listeners.append(self._on_block_event)
         self.audit = None
         # Fingerprints in the trail are keyed with the operator key; a fork inherits it (``fork``).
@@ -71,25 +72,14 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._rng = torch.Generator().manual_seed(c.seed)
-        self.eos_token_ids = self._eos_ids()
+        self.eos_token_ids = eos_token_ids(self.hf_config, self.tokenizer)
         self.step_count = 0
         self.logit_trace: list | None = None  # set to [] to record {request_id: logits} per step
+        self.fault_injector = None  # test-only seam, see set_fault_injector
         self.stats = dict(requests=0, prompt_tokens=0, cached_tokens=0, generated_tokens=0,
-                          preemptions=0, steps=0, scrub_s=0.0, aborted=0)
+                          preemptions=0, steps=0, scrub_s=0.0, aborted=0, failed=0)
 
     # ------------------------------------------------------------------ set-up helpers
-    def _default_num_blocks(self) -> int:
-        block_bytes = self.bytes_per_token * self.block_size
-        budget = int(self.config.kv_cache_memory_gb * 2**30) // block_bytes
-        wanted = math.ceil(self.max_model_len * self.config.max_num_seqs / self.block_size)
-        return max(math.ceil(self.max_model_len / self.block_size) + 1, min(budget, wanted))
-
-    def _eos_ids(self) -> set[int]:
-        ids = set()
-        for src in (self.hf_config.eos_token_id, self.tokenizer.eos_token_id):
-            ids.update(src if isinstance(src, (list, tuple)) else [src] if src is not None else [])
-        return ids
-
     def tenant_key(self, tenant: str | None) -> bytes:
         """The server-side key of a tenant's isolation domain, derived from the engine secret.
         Clients never see it or supply it, so one client cannot claim another's domain."""
@@ -127,17 +117,24 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def encode_prompt(self, prompt) -> tuple[list[int], str | None]:
-        """Token ids (validated against the vocabulary) and text of a str or token-id prompt."""
+        """Token ids (validated against the vocabulary) and text of a str or token-id prompt.
+
+        Token ids may be Python or NumPy integers (converted exactly with ``operator.index``);
+        bools are refused: ``True`` is an int to Python but never a token anyone meant."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty ('')")
             return list(self.tokenizer(prompt).input_ids), prompt
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            bad = [t for t in prompt if not 0 <= t < self.model.shape.vocab_size]
-            if bad:
-                raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.model.shape.vocab_size})")
-            return list(prompt), None
-        raise TypeError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        if isinstance(prompt, (list, tuple)):
+            ids = [as_int(f"prompt token {i}", t) for i, t in enumerate(prompt)]
+            self._check_vocab("token id", ids)
+            return ids, None
+        raise TypeError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__} ({show(prompt)})")
+
+    def _check_vocab(self, what: str, ids: list[int]) -> None:
+        bad = [t for t in ids if not 0 <= t < self.model.shape.vocab_size]
+        if bad:
+            raise ValueError(f"{what} {show(bad[0])} is outside the vocabulary [0, {self.model.shape.vocab_size})")
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     tenant: str | None = None) -> None:
@@ -145,11 +142,14 @@ class LLMEngine:
         request never disturbs the ones already running."""
         if tenant is not None and not isinstance(tenant, str):
             raise TypeError(f"tenant must be a str or None, got {type(tenant).__name__}")
-        if not isinstance(request_id, str) or request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is not a new string id")
+        if not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a str, got {type(request_id).__name__} ({show(request_id)})")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is not a new id: that request is still running")
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        self._check_vocab("stop_token_ids entry", params.stop_token_ids)
         ids, text = self.encode_prompt(prompt)
         if not ids:
             raise ValueError("prompt is empty (no tokens)")
@@ -170,7 +170,7 @@ class LLMEngine:
         seq = Sequence(request_id, ids, params, tenant=tenant, prompt=text,
                        tenant_key=self.tenant_key(tenant) if iso == "tenant" else None,
                        cacheable=iso != "request")
-        seq.public_len = max((_common_prefix_len(ids, p) for p in self._shared_prefixes), default=0)
+        seq.public_len = max((common_prefix_len(ids, p) for p in self._shared_prefixes), default=0)
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._rng))
         seq.generator = torch.Generator(device=self.device).manual_seed(seed)
         return seq
@@ -184,6 +184,18 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def set_fault_injector(self, fn) -> None:
+        """TEST-ONLY seam: ``fn(stage, seq)`` runs before each stage (``step_guard.STAGES``) of
+        each sequence in ``step()`` and raises to make that sequence fail there.  Warns when
+        installed; None removes it.  No CLI flag or server option can reach it."""
+        step_guard.install_fault_injector(self, fn)
+
+    def _fail(self, seq: Sequence, stage: str, exc: Exception) -> RequestOutput:
+        seq.error = step_guard.describe_failure(seq, stage, exc)  # finish it alone, see step_guard
+        self.stats["failed"] += 1
+        self._finish(seq, "error")
+        return self._output(seq)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason, seq.status = reason, SequenceStatus.FINISHED
@@ -208,7 +220,10 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling + model step; return outputs of every sequence that advanced."""
+        """Run one scheduling + model step; return outputs of every sequence that advanced.
+
+        An exception in one sequence's forward, sampling, commit or detokenization fails that
+        sequence alone (``finish_reason="error"``); the rest of the batch goes on (``step_guard``)."""
         batch = self.scheduler.schedule()
         self.step_count += 1
         self.stats["steps"] += 1
@@ -224,57 +239,56 @@ class LLMEngine:
                 self._finish(seq, "length")
                 return [self._output(seq)]
             return []
-        seqs = batch.prefills + batch.decodes
-        input_ids, positions, meta, last_rows = prepare_inputs(batch.prefills, batch.decodes,
-                                                               self.block_size, self.device)
-        hidden = self.model.forward(input_ids, positions, self.pool, meta)
-        logits = self.model.logits(hidden[last_rows])
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        rows, failed = step_guard.guarded_forward(self, batch.prefills, batch.decodes)
         if self.logit_trace is not None:
-            self.logit_trace.append({s.request_id: logits[i].cpu() for i, s in enumerate(seqs)})
+            self.logit_trace.append({s.request_id: row.cpu() for s, row in rows.items()})
         now = time.perf_counter()
         outputs = []
-        for seq, tok in zip(seqs, tokens):
-            seq.num_computed_tokens = seq.num_tokens
-            self.block_manager.commit(seq)
-            seq.output_token_ids.append(tok)
+        for seq in batch.prefills + batch.decodes:
+            if seq in failed:
+                outputs.append(self._fail(seq, "forward", failed[seq]))
+                continue
+            stage = "sample"
+            try:  # the per-sequence stages: whatever raises here is this sequence's failure
+                step_guard.inject(self, stage, seq)
+                tok = sample_row(rows[seq].float(), seq.params, seq.generator)
+                stage = "commit"
+                step_guard.inject(self, stage, seq)
+                seq.num_computed_tokens = seq.num_tokens
+                self.block_manager.commit(seq)
+                seq.output_token_ids.append(tok)
+                stage = "detokenize"
+                step_guard.inject(self, stage, seq)
+                reason = self._check_stop(seq, tok)
+            except Exception as exc:  # noqa: BLE001 -- contained: see step_guard.py
+                outputs.append(self._fail(seq, stage, exc))
+                continue
             self.stats["generated_tokens"] += 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            reason = self._check_stop(seq, tok)
             if reason:
                 self._finish(seq, reason)
             outputs.append(self._output(seq))
         return outputs
 
     def _check_stop(self, seq: Sequence, tok: int) -> str | None:
-        p = seq.params
         seq.output_text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-        if (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids:
-            return "stop"
-        for s in p.stop_strings:
-            idx = seq.output_text.find(s)
-            if idx >= 0:
-                seq.output_text = seq.output_text[:idx]
-                return "stop"
-        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
+        return stop_reason(seq, tok, self.eos_token_ids, self.max_model_len)
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        return RequestOutput(
-            seq.request_id, seq.prompt, list(seq.prompt_token_ids),
-            [CompletionOutput(0, seq.output_text, list(seq.output_token_ids), seq.finish_reason)],
-            seq.is_finished, seq.num_cached_tokens or 0,
-            RequestMetrics(seq.arrival_time, seq.first_token_time, seq.finish_time), seq.tenant,
-            seq.num_preemptions)
+        return RequestOutput.from_sequence(seq)
 
     # ------------------------------------------------------------------ inspection
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """Logits at every position of ``token_ids`` ([T, vocab], fp32), computed through the
         same paged path as a prefill; the blocks are borrowed from the pool and returned.
         Lessons use it to let the model rank candidates; tests compare it with transformers."""
+        if not isinstance(token_ids, (list, tuple)) or not token_ids:
+            raise ValueError(f"score() needs a non-empty list of token ids, got {show(token_ids)}")
         ids, _ = self.encode_prompt(list(token_ids))
+        if len(ids) > min(self.max_model_len, self.num_blocks * self.block_size):
+            raise ValueError(f"score() got {len(ids)} tokens; at most "
+                             f"{min(self.max_model_len, self.num_blocks * self.block_size)} fit")
         seq = Sequence(f"score-{self.new_request_id()}", ids, SamplingParams(max_tokens=1), cacheable=False)
         if not self.block_manager.allocate(seq):
             raise RuntimeError("the pool has no room to score this sequence now")
@@ -294,15 +308,3 @@ class LLMEngine:
 
     def check_invariants(self) -> None:
         self.block_manager.check_invariants(list(self.scheduler.running))
-
-
-def _common_prefix_len(ids: list[int], public: list[int]) -> int:
-    """How many leading tokens of ``ids`` equal the public prefix's.  Token-wise, not all-or-
-    nothing: BPE often merges the public text's last token with the user's first word, and
-    tokens that equal the public text's are public content whatever follows them."""
-    n = 0
-    for a, b in zip(ids, public):
-        if a != b:
-            break
-        n += 1
-    return n

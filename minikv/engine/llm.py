@@ -9,6 +9,10 @@ batches them continuously.  ``llm.engine`` is the step-by-step API for lessons a
 """
 from __future__ import annotations
 
+import numbers
+
+import numpy as np
+
 from .config import EngineConfig
 from .engine import LLMEngine
 from .outputs import RequestOutput
@@ -19,8 +23,10 @@ def _as_prompt_list(prompts) -> list:
     if isinstance(prompts, str):
         return [prompts]
     if isinstance(prompts, (list, tuple)):
-        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
-            return [list(prompts)]  # one prompt given as token ids
+        # A flat list of numbers is *one* prompt of token ids.  Floats, bools and NumPy scalars
+        # count here too, so that the engine's check names the bad id (not each "prompt").
+        if prompts and all(isinstance(t, (numbers.Number, np.bool_)) for t in prompts):
+            return [list(prompts)]
         return list(prompts)
     raise TypeError(f"prompts must be a str, a list of str or a list of token-id lists, got {type(prompts).__name__}")
 

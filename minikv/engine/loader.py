@@ -21,6 +21,15 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 
+def eos_token_ids(hf_config, tokenizer) -> set[int]:
+    """Every end-of-sequence id the checkpoint declares (config and tokenizer may differ,
+    and either may list several)."""
+    ids = set()
+    for src in (hf_config.eos_token_id, tokenizer.eos_token_id):
+        ids.update(src if isinstance(src, (list, tuple)) else [src] if src is not None else [])
+    return ids
+
+
 def load_model(path, dtype: torch.dtype, device: torch.device):
     """Returns ``(LlamaModel, tokenizer, hf_config)`` for the checkpoint directory ``path``."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer

@@ -8,8 +8,20 @@ computation, never the randomness.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+from .checks import as_int, as_real, as_seed, show
+
+if TYPE_CHECKING:
+    from .sequence import Sequence
+
+# Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``).  Dividing logits by a tiny
+# positive temperature is not "almost greedy" in floating point: 1e-50 is 0 in fp32, and the
+# division gives inf/NaN rows that make ``torch.multinomial`` raise.  Greedy is what the
+# caller meant, so that is what they get.
+GREEDY_EPS = 1e-5
 
 
 @dataclass
@@ -20,6 +32,13 @@ class SamplingParams:
     ``top_p=1`` disable those filters; ``seed`` makes sampling reproducible per request;
     generation stops at EOS (unless ``ignore_eos``), at any ``stop`` string, at a
     ``stop_token_ids`` token, or after ``max_tokens``.
+
+    Every field is validated here, because this is the door every request comes through (the
+    Python API, the CLI and the HTTP server all build one).  A value the sampler could choke on
+    -- NaN, inf, ``10**400``, a seed torch cannot take -- raises ``ValueError``/``TypeError``
+    naming the field and the value, so it is rejected before it reaches a batch shared with
+    other tenants.  Temperatures below ``GREEDY_EPS`` (1e-5) count as greedy, as in vLLM.
+    NumPy integers are accepted where an int is expected (converted exactly); bools are not.
     """
 
     max_tokens: int = 16
@@ -34,54 +53,88 @@ class SamplingParams:
     stop_strings: tuple = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
-            raise TypeError(f"max_tokens must be an int, got {type(self.max_tokens).__name__}")
+        self.max_tokens = as_int("max_tokens", self.max_tokens)
         if self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be > 0, got {self.max_tokens}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"max_tokens must be > 0, got {show(self.max_tokens)}")
+        self.temperature = as_real("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        self.top_p = as_real("top_p", self.top_p)
+        if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be an int >= -1 (0 or -1 disables it), got {self.top_k!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise TypeError(f"seed must be an int or None, got {type(self.seed).__name__}")
-        if self.n != 1:
-            raise ValueError(f"n={self.n!r} is not supported; minikv returns one completion per request")
+        self.top_k = as_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be an int >= -1 (0 or -1 disables it), got {show(self.top_k)}")
+        if self.seed is not None:
+            self.seed = as_seed("seed", self.seed)
+        if isinstance(self.n, bool) or self.n != 1:
+            raise ValueError(f"n={show(self.n)} is not supported; minikv returns one completion per request")
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__} ({show(self.ignore_eos)})")
+        if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
+            raise TypeError(f"stop must be a str or a list of str, got {type(self.stop).__name__} ({show(self.stop)})")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stops):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
+            raise ValueError(f"stop must be non-empty strings, got {show(self.stop)}")
         self.stop_strings = tuple(stops)
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        ids = self.stop_token_ids
+        if ids is not None and not isinstance(ids, (list, tuple)):
+            raise TypeError(f"stop_token_ids must be a list of ints, got {type(ids).__name__} ({show(ids)})")
+        self.stop_token_ids = [as_int(f"stop_token_ids[{i}]", t, minimum=0) for i, t in enumerate(ids or ())]
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Argmax decoding: ``temperature`` below ``GREEDY_EPS`` (0 included)."""
+        return self.temperature < GREEDY_EPS
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> list[int]:
     """Pick one token per row of ``logits`` ([batch, vocab], any float dtype).
 
-    Greedy rows take the argmax.  Sampled rows apply temperature, then top-k, then top-p
-    (nucleus) filtering, and draw from what is left with the row's own generator.
+    Greedy rows take the argmax (one batched call); the others go through :func:`sample_row`.
+    The engine calls :func:`sample_row` itself, one sequence at a time, so that a row that
+    cannot be sampled fails only its own request (see ``step_guard.py``).
     """
     logits = logits.float()
     out = logits.argmax(dim=-1).tolist()
     for i, p in enumerate(params):
-        if p.greedy:
-            continue
-        row = logits[i] / p.temperature
-        if p.top_k > 0 and p.top_k < row.numel():
-            kth = torch.topk(row, p.top_k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        if p.top_p < 1.0:
-            sorted_logits, order = torch.sort(row, descending=True)
-            probs = torch.softmax(sorted_logits, dim=-1)
-            # Drop a token when the mass *before* it already reaches top_p: the most likely
-            # token always survives, and the kept set is the smallest one covering top_p.
-            drop = (torch.cumsum(probs, dim=-1) - probs) >= p.top_p
-            row = row.scatter(0, order[drop], float("-inf"))
-        probs = torch.softmax(row, dim=-1)
-        out[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
+        if not p.greedy:
+            out[i] = sample_row(logits[i], p, generators[i])
     return out
+
+
+def sample_row(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
+    """Draw one token from one fp32 row of logits: temperature, then top-k, then top-p
+    (nucleus) filtering, then a draw from what is left with the request's own generator."""
+    if p.greedy:
+        return int(row.argmax().item())
+    row = row / p.temperature
+    if p.top_k > 0 and p.top_k < row.numel():
+        kth = torch.topk(row, p.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_logits, order = torch.sort(row, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the mass *before* it already reaches top_p: the most likely
+        # token always survives, and the kept set is the smallest one covering top_p.
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= p.top_p
+        row = row.scatter(0, order[drop], float("-inf"))
+    probs = torch.softmax(row, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def stop_reason(seq: "Sequence", tok: int, eos_ids: set[int], max_model_len: int) -> str | None:
+    """Why ``seq`` stops after its new token ``tok`` ("stop", "length"), or None to go on.
+    A stop string cuts ``seq.output_text`` (already detokenized) where it starts."""
+    p = seq.params
+    if (not p.ignore_eos and tok in eos_ids) or tok in p.stop_token_ids:
+        return "stop"
+    for s in p.stop_strings:
+        idx = seq.output_text.find(s)
+        if idx >= 0:
+            seq.output_text = seq.output_text[:idx]
+            return "stop"
+    if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= max_model_len:
+        return "length"
+    return None

@@ -42,6 +42,7 @@ class Sequence:
     num_preemptions: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
+    error: str | None = None  # why it failed, when finish_reason == "error" (see step_guard.py)
     output_text: str = ""
     generator: object = None
     arrival_time: float = field(default_factory=time.perf_counter)
@@ -75,3 +76,16 @@ class Sequence:
         if (i + 1) * block_size <= self.public_len:
             return None
         return self.tenant_key
+
+
+def common_prefix_len(ids: list[int], public: list[int]) -> int:
+    """How many leading tokens of ``ids`` equal the public prefix's (``Sequence.public_len``).
+    Token-wise, not all-or-nothing: BPE often merges the public text's last token with the
+    user's first word, and tokens that equal the public text's are public content whatever
+    follows them."""
+    n = 0
+    for a, b in zip(ids, public):
+        if a != b:
+            break
+        n += 1
+    return n

@@ -53,7 +53,10 @@ def _engine(name: str):
     settings = dict(ENGINES[name][0])
     if settings.get("block_hasher") == "untenanted":
         settings["block_hasher"] = _untenanted_sha256()
-    return tiny_llm(num_blocks=256, engine_secret=ENGINE_SECRET, **settings)
+    # 1024 blocks: the default per-tenant quota (num_blocks // 8 = 128 blocks of 4 tokens) then holds
+    # both of a tenant's ~40-block documents, so its repeats can hit (a smaller pool makes every
+    # tenant recycle its own cache and the correct verdict on the isolated engine 'inconclusive').
+    return tiny_llm(num_blocks=1024, engine_secret=ENGINE_SECRET, **settings)
 
 
 @functools.lru_cache(maxsize=None)

@@ -1,0 +1,100 @@
+"""Failure containment: an exception inside ``step()`` fails only the sequence that caused it.
+
+One ``step()`` serves many tenants at once.  Before this module, a single request whose row
+could not be sampled (a NaN temperature slipped past validation, say) raised out of ``step()``:
+every request in the batch failed with it, and because the culprit stayed in the running batch,
+every later ``step()`` raised again -- one request took the whole engine down.
+
+The rule now: **a failure belongs to the sequence it happened in.**
+
+* *Per-sequence stages* -- sampling, committing the new K/V to the block manager,
+  detokenization and the stop checks -- run inside a ``try`` for each sequence.  If one raises,
+  that sequence finishes with ``finish_reason="error"`` and ``CompletionOutput.error`` says
+  which stage failed and why; its blocks go back to the pool (uncommitted K/V are never
+  registered in the prefix cache).  The others carry on in the same step.
+* *The batched forward* cannot be split after the fact, so when it raises we run it again
+  **once, one sequence at a time**: the sequences whose own forward raises again are the
+  culprits and fail; the others keep the logits of their solo run.  Re-running is safe because
+  a forward only writes K/V slots of blocks its sequence holds privately (prefix-cache hits are
+  never rewritten), and it writes the same values again.  A transient fault (a batch too big
+  for memory) fails nobody.
+* Failures in the engine's own bookkeeping outside these stages (scheduling, freeing blocks,
+  scrubbing) are *not* contained: they mean the pool's state may be inconsistent, and hiding
+  that would be worse than stopping.
+
+Testing it needs a way to make one sequence fail on purpose.  :func:`install_fault_injector`
+(reached through ``LLMEngine.set_fault_injector``) is that **test-only seam**: a callable
+``fn(stage, seq)`` called before each stage of each sequence, which raises to simulate a
+fault.  Installing one warns (``RuntimeWarning``), and no CLI flag or server option reaches it.
+"""
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Callable
+
+import torch
+
+from .model_runner import prepare_inputs
+from .sequence import Sequence
+
+STAGES = ("forward", "sample", "commit", "detokenize")
+FaultInjector = Callable[[str, Sequence], None]
+log = logging.getLogger("minikv.engine")
+
+
+def install_fault_injector(engine, fn: FaultInjector | None) -> None:
+    """Install (or, with None, remove) a fault injector on ``engine``.  For tests only."""
+    if fn is not None:
+        if not callable(fn):
+            raise TypeError(f"fault injector must be callable or None, got {type(fn).__name__}")
+        warnings.warn("minikv: a fault injector is installed on this engine (test-only seam): "
+                      "requests may fail on purpose", RuntimeWarning, stacklevel=3)
+    engine.fault_injector = fn
+
+
+def inject(engine, stage: str, seq: Sequence) -> None:
+    """Give the installed injector (if any) its chance to fail ``seq`` at ``stage``."""
+    if engine.fault_injector is not None:
+        engine.fault_injector(stage, seq)
+
+
+def guarded_forward(engine, prefills: list[Sequence], decodes: list[Sequence]
+                    ) -> tuple[dict[Sequence, torch.Tensor], dict[Sequence, Exception]]:
+    """Run the model over the batch.  Returns ``(logits row per sequence, exception per failed
+    sequence)``; together they cover every scheduled sequence, in batch order."""
+    seqs = prefills + decodes
+    try:
+        return dict(zip(seqs, _forward(engine, prefills, decodes))), {}
+    except Exception as exc:  # noqa: BLE001 -- any failure: find out whose it is
+        if len(seqs) == 1:
+            return {}, {seqs[0]: exc}
+        log.warning("batched forward of %d sequences failed (%s); retrying one by one", len(seqs), exc)
+    rows: dict[Sequence, torch.Tensor] = {}
+    failed: dict[Sequence, Exception] = {}
+    for seq in seqs:
+        alone = ([seq], []) if seq in prefills else ([], [seq])
+        try:
+            rows[seq] = _forward(engine, *alone)[0]
+        except Exception as exc:  # noqa: BLE001
+            failed[seq] = exc
+    return rows, failed
+
+
+def _forward(engine, prefills: list[Sequence], decodes: list[Sequence]) -> torch.Tensor:
+    """Logits of the last new token of each sequence ([batch, vocab], the model's dtype)."""
+    for seq in prefills + decodes:
+        inject(engine, "forward", seq)
+    input_ids, positions, meta, last_rows = prepare_inputs(prefills, decodes, engine.block_size, engine.device)
+    hidden = engine.model.forward(input_ids, positions, engine.pool, meta)
+    return engine.model.logits(hidden[last_rows])
+
+
+def describe_failure(seq: Sequence, stage: str, exc: BaseException) -> str:
+    """The error text a failed request gets back (and the operator's log line).  It names the
+    stage and the exception, nothing from other requests; long messages are cut."""
+    detail = str(exc).splitlines()[0] if str(exc) else ""
+    detail = detail if len(detail) <= 200 else detail[:197] + "..."
+    log.error("request %s (tenant %r) failed in %s: %s: %s", seq.request_id, seq.tenant, stage,
+              type(exc).__name__, detail)
+    return f"internal error in {stage} for this request: {type(exc).__name__}: {detail}".rstrip(": ")

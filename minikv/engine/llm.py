@@ -13,6 +13,7 @@ import numbers
 
 import numpy as np
 
+from .chat import render_chat
 from .config import EngineConfig
 from .engine import LLMEngine
 from .outputs import RequestOutput
@@ -95,12 +96,12 @@ class LLM:
     def chat(self, messages, sampling_params: SamplingParams | None = None,
              tenant: str | None | list = None) -> list[RequestOutput]:
         """Chat completion: ``messages`` is one conversation (list of {role, content} dicts) or
-        a list of them.  The model's chat template is applied, then the text is tokenized
-        without adding special tokens again (the template already has them)."""
+        a list of them.  :func:`~minikv.engine.chat.render_chat` applies the chat template and
+        tokenizes it, refusing (ValueError) a control token such as ``<|im_start|>`` inside a
+        message's content: that would let the message forge a turn of another role."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        tok = self.engine.tokenizer
-        prompts = [tok(self.apply_chat_template(c), add_special_tokens=False).input_ids for c in convs]
-        outs = self.generate(prompts, sampling_params, tenant)
-        for out, conv in zip(outs, convs):
-            out.prompt = self.apply_chat_template(conv)
+        rendered = [render_chat(self.engine.tokenizer, c) for c in convs]
+        outs = self.generate([ids for ids, _ in rendered], sampling_params, tenant)
+        for out, (_, text) in zip(outs, rendered):
+            out.prompt = text
         return outs

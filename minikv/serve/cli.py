@@ -31,6 +31,10 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _quota(text: str):
+    return "unlimited" if text == "unlimited" else _positive_int(text)
+
+
 def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = True) -> None:
     """Engine core + isolation policy flags (all default to the engine's own defaults)."""
     g = p.add_argument_group("engine")
@@ -58,8 +62,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = True
     s.add_argument("--scrub", choices=SCRUB, help="zero KV blocks on_alloc (default), on_free, or none (UNSAFE)")
     s.add_argument("--shared-prefix", action="append", default=None, metavar="TEXT",
                    help="operator-declared public prefix every tenant may share (repeatable)")
-    s.add_argument("--max-cached-blocks-per-tenant", type=_positive_int,
-                   help="quota of cached blocks per tenant (prime+probe defence)")
+    s.add_argument("--max-cached-blocks-per-tenant", type=_quota,
+                   help="quota of cached blocks per tenant (prime+probe defence; default num_blocks // 8; "
+                        "'unlimited' is UNSAFE)")
     s.add_argument("--audit-log", metavar="PATH", help="write the operator's JSONL audit trail here")
     s.add_argument("--audit-level", choices=("request", "block"),
                    help="request (default): one summary line per request; block: one line per block event")

@@ -225,7 +225,7 @@ def measure(llm, limits, clients: Clients, attackers=(1, 4, 16), kinds=("oversiz
     pooled), so that slow drift of the machine's load spreads over every row alike."""
     from .serve import BackgroundServer, create_app
 
-    requests = attack_bodies(limits.max_body_bytes, limits.max_prompt_chars)
+    requests = attack_bodies(limits.max_body_bytes, limits.prompt_chars(llm.engine.max_model_len))
     plan = [("none", 0)] + [(kind, n) for kind in kinds for n in attackers if n]
     times: dict = {key: [] for key in plan}
     attacks: dict = {key: [] for key in plan}

@@ -50,15 +50,21 @@ class _Capture(logging.Handler):
 
 @pytest.fixture()
 def logs():
-    cap, root, access = _Capture(), logging.getLogger(), logging.getLogger("uvicorn.access")
-    old, old_propagate = root.level, access.propagate
-    root.addHandler(cap)
-    root.setLevel(logging.DEBUG)
-    access.propagate = True  # uvicorn turns it off process-wide whenever a server has access_log=False
+    """Everything the server logs.  The handler sits on the loggers themselves, not only on the
+    root: uvicorn's default logging config (applied by any earlier test that used it) stops
+    ``uvicorn.*`` records from propagating to the root."""
+    cap = _Capture()
+    loggers = [logging.getLogger(n) for n in ("", "uvicorn", "uvicorn.access", "uvicorn.error")]
+    saved = [(lg.level, lg.propagate) for lg in loggers]
+    for lg in loggers:
+        lg.addHandler(cap)
+        lg.setLevel(logging.DEBUG)
+        lg.propagate = False if lg.name != "root" else lg.propagate  # each record reaches `cap` once
     yield cap
-    root.removeHandler(cap)
-    root.setLevel(old)
-    access.propagate = old_propagate
+    for lg, (level, propagate) in zip(loggers, saved):
+        lg.removeHandler(cap)
+        lg.setLevel(level)
+        lg.propagate = propagate
 
 
 @pytest.fixture(scope="module")

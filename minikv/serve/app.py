@@ -78,9 +78,6 @@ from .tokenize import ChatPrompt, PromptEncoder
 log = logging.getLogger("minikv.serve")
 
 DEFAULT_CHAT_MAX_TOKENS = 256
-# Default prompt cap: a prompt that fits the context has fewer tokens than max_model_len, and
-# even code full of long whitespace runs averages well under 16 characters per token.
-PROMPT_CHARS_PER_TOKEN = 16
 
 
 def _keys(keys: ApiKeys | Mapping[str, str] | None) -> ApiKeys | None:
@@ -199,7 +196,7 @@ def create_app(llm_or_engine, api_keys: ApiKeys | Mapping[str, str], *, model_na
         limiter.check_rate(tenant)
         check_content_length(request, limits.max_body_bytes)
         lease = await limiter.acquire(tenant)
-        max_chars = limits.max_prompt_chars or PROMPT_CHARS_PER_TOKEN * engine.max_model_len
+        max_chars = limits.prompt_chars(engine.max_model_len)
         handed_off = False
         try:
             body = await read_json(request, limits.max_body_bytes)

@@ -69,6 +69,12 @@ class ServeLimits:
         if self.max_prompt_chars is not None:
             _check_number("max_prompt_chars", self.max_prompt_chars, allow_float=False)
 
+    def prompt_chars(self, max_model_len: int) -> int:
+        """The prompt cap in force for a model with this context: ``max_prompt_chars``, or 16
+        characters per context token (a prompt that fits has fewer tokens than the context, and
+        even code full of long whitespace runs averages well under 16 characters per token)."""
+        return self.max_prompt_chars or 16 * max_model_len
+
 
 def _check_number(name: str, value, allow_float: bool, allow_zero: bool = False) -> None:
     kinds = (int, float) if allow_float else (int,)

@@ -13,7 +13,7 @@ import pytest
 from minikv import LLM, UnsafeSettingWarning
 from minikv.attacks.poisoning import (HitRecorder, contamination_demo, fit_block, poison_with_collision,
                                       reference_greedy, run_request)
-from minikv.security.collisions import collides, load_committed_pairs, poly_collision, search_trunc32_collision
+from minikv.attacks.collisions import collides, load_committed_pairs, poly_collision, search_trunc32_collision
 
 BS = 16
 TINY_VOCAB = 259

@@ -5,7 +5,9 @@
 * :mod:`minikv.attacks.stale_kv` -- leak 2: reading a previous request's K/V (lesson 05),
   re-exporting :mod:`~minikv.attacks.kv_inversion` (layer-0 K/V back to text) and
   :mod:`~minikv.attacks.engine_bugs` (the deliberately buggy engine helpers);
-* :mod:`minikv.attacks.poisoning` -- leak 3: weak cache keys and crafted collisions (lesson 06).
+* :mod:`minikv.attacks.poisoning` -- leak 3: weak cache keys and crafted collisions (lesson 06);
+* :mod:`minikv.attacks.collisions` -- the collision search against the unsafe hashers, and the
+  committed pairs it found (``collision_pairs.json``; lessons 06 and 07).
 
 Nothing is imported here, so that ``import minikv.attacks.prefix_oracle`` does not pull in the
 others' dependencies.

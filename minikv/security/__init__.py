@@ -4,9 +4,9 @@
 * :mod:`.keys`       -- engine secret -> per-tenant, shared and operator keys (server-side)
 * :mod:`.hashing`    -- ``BlockHasher`` implementations and ``make_hasher(name, secret)``
 * :mod:`.scrub`      -- ``Scrubber`` implementations and ``make_scrubber(name)``
-* :mod:`.collisions` -- crafted collisions for the unsafe hashers (imported on demand: numpy)
 
-Nothing here imports torch at import time, so the torch-free block manager can use it.
+Nothing here imports torch at import time, so the torch-free block manager can use it.  The
+collision *search* against the unsafe hashers is attack tooling: :mod:`minikv.attacks.collisions`.
 """
 
 from .encoding import decode_fields, encode_fields

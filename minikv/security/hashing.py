@@ -17,7 +17,7 @@ failure modes matter for security:
 
 Every hasher follows the ``BlockHasher`` protocol below (the seam from ARCHITECTURE.md) and
 is built by ``make_hasher(name, secret)``.  The three UNSAFE hashers exist so the course
-can demonstrate real collisions (see :mod:`.collisions`); never serve traffic with them.
+can demonstrate real collisions (see :mod:`minikv.attacks.collisions`); never serve traffic with them.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ class BuiltinHasher:
     collisions in prefix caching).  ``hash()`` of a tuple of ints is a 64-bit
     xxHash-style mix that is *not* seeded by ``PYTHONHASHSEED`` (only str/bytes hashes
     are), and it is invertible step by step, so anyone can compute it and crafted
-    collisions take seconds (:func:`minikv.security.collisions.search_builtin_collision`).
+    collisions take seconds (:func:`minikv.attacks.collisions.search_builtin_collision`).
     Parent and tenant key enter as the int of their first 8 bytes (0 for ``None``) so the
     result is stable across processes.
     """

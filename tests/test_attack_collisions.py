@@ -1,4 +1,4 @@
-"""Tests for minikv.security.collisions and the committed collision_pairs.json."""
+"""Tests for minikv.attacks.collisions and the committed collision_pairs.json."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minikv.security import collisions as C
+from minikv.attacks import collisions as C
 from minikv.security.hashing import UNSAFE_HASHES, make_hasher
 
 SECRET = bytes(range(32))
@@ -75,7 +75,7 @@ def test_builtin_pair_follows_the_documented_algebra():
 
 
 _CHILD = """
-from minikv.security.collisions import load_committed_pairs
+from minikv.attacks.collisions import load_committed_pairs
 from minikv.security.hashing import make_hasher
 h = make_hasher("builtin", bytes(32)); a, b = load_committed_pairs()["builtin"]
 print(h(None, a, (), None).hex(), h(None, b, (), None).hex(), h(b"P" * 32, a, (7,), b"K" * 32).hex())

@@ -1,4 +1,4 @@
-"""Crafted collisions for the three UNSAFE block hashers.
+"""Crafted collisions for the three UNSAFE block hashers: attack tooling (lesson 06).
 
 A prefix-cache key collision means two different token blocks share one cache entry: the
 second request silently attends over K/V computed for the first one's text.  For the
@@ -8,7 +8,7 @@ Every search here uses the setting the course uses: SmolLM2's vocabulary (ids in
 ``[0, 49152)``), 16-token blocks, ``parent=None``, ``tenant_key=None``, ``extra=()``.
 
 The pairs found are committed in ``collision_pairs.json`` (load them with
-:func:`load_committed_pairs`); ``python -m minikv.security.collisions`` re-runs every
+:func:`load_committed_pairs`); ``python -m minikv.attacks.collisions`` re-runs every
 search and rewrites the file.  numpy is imported lazily: the engine never needs it here.
 """
 
@@ -19,7 +19,7 @@ import random
 import re
 from pathlib import Path
 
-from .hashing import make_hasher
+from ..security.hashing import make_hasher
 
 __all__ = [
     "VOCAB_SIZE", "BLOCK_SIZE", "PAIRS_PATH",
@@ -229,7 +229,7 @@ def write_committed_pairs(path: Path | str = PAIRS_PATH, seed: int = 0) -> dict[
     return {name: (tuple(p["a"]), tuple(p["b"])) for name, p in pairs.items()}
 
 
-if __name__ == "__main__":  # python -m minikv.security.collisions
+if __name__ == "__main__":  # python -m minikv.attacks.collisions
     import time
 
     start = time.perf_counter()

@@ -25,11 +25,10 @@ import hmac
 # The reference typed encoding (lesson 07 explains it; exercise 1a is the same idea).  You may
 # use your own ``exercises.ex1_chained_hash.encode_fields`` instead once it passes its check.
 from minikv.security.encoding import encode_fields
-
-TENANT_LABEL = "minikv-course/tenant-key/v1"
-SHARED_LABEL = "minikv-course/shared-key/v1"
-BLOCK_LABEL = "minikv-course/keyed-block/v1"
-MIN_SECRET_BYTES = 16
+# The engine's own labels and secret length, so your keys are the engine's keys, byte for byte
+# (minikv.security.keys.derive_tenant_key and the hmac-sha256 hasher are these solutions).
+from minikv.security.hashing import BLOCK_LABEL
+from minikv.security.keys import MIN_SECRET_BYTES, SHARED_LABEL, TENANT_LABEL
 
 
 def derive_tenant_key(engine_secret: bytes, tenant: str | None) -> bytes:

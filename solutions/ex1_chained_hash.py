@@ -18,9 +18,10 @@ from __future__ import annotations
 import hashlib
 import struct
 
-#: Domain-separation label: block keys can never equal a SHA-256 computed for another purpose
-#: (a tenant key, an audit fingerprint) over the same fields.  Bump ``v1`` to change the format.
-BLOCK_DOMAIN = "minikv-course/block-key/v1"
+# The engine's own domain-separation label ("minikv/block-key/v1"): block keys can never equal a
+# SHA-256 computed for another purpose (a tenant key, an audit fingerprint) over the same fields.
+# minikv's sha256 hasher is this very construction over minikv.security.encoding.
+from minikv.security.hashing import BLOCK_DOMAIN
 
 # One possible wire format (you may design your own): tag (1 byte) || length (8 bytes) || payload.
 TAG_NONE, TAG_BYTES, TAG_STR, TAG_INT, TAG_SEQ = 0, 1, 2, 3, 4

@@ -7,6 +7,7 @@ that reads the committed exercises/.
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
 import subprocess
 import sys
@@ -132,6 +133,28 @@ def test_engine_stages_pass_the_solutions():
     cached, _ = scrubbing.engine_stage(ScrubOnAlloc)
     assert sum(cached) > 0, "the scrubber workload must include cache hits"
     scrubbing.engine_stage(ScrubOnFree)  # the other correct lifecycle point passes too
+
+
+def test_the_engines_reference_is_what_the_course_teaches(capsys):
+    """minikv's own hashers and key derivation pass the exercise graders (the engine does what
+    lesson 07 teaches), and the solutions of 2a/2b give the engine's keys byte for byte."""
+    from solutions.ex2_tenant_keys import TenantKeyedHasher, derive_tenant_key
+
+    from minikv.grading import check_chained_hash, check_tenant_key_derivation, check_tenant_keyed_hasher
+    from minikv.security.encoding import encode_fields
+    from minikv.security.hashing import BLOCK_DOMAIN, HmacSha256Hasher, make_hasher
+    from minikv.security.keys import derive_tenant_key as engine_derive_tenant_key
+    engine_sha256 = make_hasher("sha256", S)
+    assert check_chained_hash(engine_sha256, encode_fields=encode_fields) is True
+    assert check_tenant_keyed_hasher(HmacSha256Hasher) is True
+    assert check_tenant_key_derivation(engine_derive_tenant_key) is True
+    assert capsys.readouterr().out.count("✅") == 3
+    blocks = [(None, (1, 2, 3, 4), (), None), (b"p" * 32, (5, 6), ("x",), b"k" * 32)]
+    for block in blocks:  # the same construction and labels as solutions/
+        assert engine_sha256(*block) == hashlib.sha256(encode_fields(BLOCK_DOMAIN, *block)).digest()
+        assert make_hasher("hmac-sha256", S)(*block) == TenantKeyedHasher(S)(*block)
+    for tenant in ("alice", "", None):
+        assert derive_tenant_key(S, tenant) == engine_derive_tenant_key(S, tenant)
 
 
 # ------------------------------------------------------------------ generator and runner

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minikv.security.encoding import decode_fields, encode_fields
-from minikv.security.hashing import HASHERS, UNSAFE_HASHES, BlockHasher, make_hasher
+from minikv.security.hashing import BLOCK_DOMAIN, HASHERS, UNSAFE_HASHES, BlockHasher, make_hasher
 from minikv.security.keys import (derive_operator_key, derive_shared_key, derive_tenant_key,
                                   new_engine_secret)
 
@@ -210,8 +210,11 @@ def test_keyed_hashers_differ_across_engine_secrets(keyed):
 
 
 def test_sha256_is_the_documented_unkeyed_formula():
+    """Exercise 1b's construction: domain-separated, never the plain sha256 of the fields."""
     h, tk = make_hasher("sha256", SECRET), derive_tenant_key(SECRET, "alice")
-    assert h(b"P" * 32, BLOCK, ("x",), tk) == hashlib.sha256(encode_fields(b"P" * 32, BLOCK, ("x",), tk)).digest()
+    fields = (b"P" * 32, BLOCK, ("x",), tk)
+    assert h(*fields) == hashlib.sha256(encode_fields(BLOCK_DOMAIN, *fields)).digest()
+    assert h(*fields) != hashlib.sha256(encode_fields(*fields)).digest()
     assert h(None, BLOCK, (), None) == make_hasher("sha256", OTHER_SECRET)(None, BLOCK, (), None)
 
 

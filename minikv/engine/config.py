@@ -17,6 +17,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..security.keys import check_secret
 from .checks import as_int, as_real, as_seed, show
 
 CACHE_ISOLATION = ("shared", "tenant", "request")
@@ -155,11 +156,7 @@ class EngineConfig:
             raise TypeError("enable_prefix_caching must be a bool, "
                             f"got {type(self.enable_prefix_caching).__name__}")
         if self.engine_secret is not None:
-            if not isinstance(self.engine_secret, (bytes, bytearray)):
-                raise TypeError(f"engine_secret must be bytes, got {type(self.engine_secret).__name__}")
-            if len(self.engine_secret) < 16:
-                raise ValueError(f"engine_secret must be at least 16 bytes, got {len(self.engine_secret)}")
-            self.engine_secret = bytes(self.engine_secret)
+            self.engine_secret = check_secret(self.engine_secret, "engine_secret")
         if isinstance(self.shared_prefixes, (str, bytes)):
             self.shared_prefixes = (self.shared_prefixes,)
         self.shared_prefixes = tuple(self.shared_prefixes or ())

@@ -27,9 +27,11 @@ import hmac
 from typing import Protocol, runtime_checkable
 
 from .encoding import encode_fields
-from .keys import MIN_SECRET_BYTES, _check_secret, derive_shared_key
+from .keys import MIN_SECRET_BYTES, check_secret, derive_shared_key
 
 __all__ = [
+    "BLOCK_DOMAIN",
+    "BLOCK_LABEL",
     "BlockHasher",
     "Sha256Hasher",
     "HmacSha256Hasher",
@@ -43,6 +45,14 @@ __all__ = [
 ]
 
 
+#: Domain-separation labels, the first field of every block-key message: a block key can never
+#: equal a hash computed for another purpose (a tenant key, an audit fingerprint) over the same
+#: fields, and bumping ``v1`` changes every key at once.  solutions/ex1 and ex2 import them: the
+#: hashers below are exactly what exercises 1b and 2b build (lesson 07, sections 3 and 5).
+BLOCK_DOMAIN = "minikv/block-key/v1"     # unkeyed (sha256)
+BLOCK_LABEL = "minikv/keyed-block/v1"    # keyed (hmac-sha256, blake2b-keyed)
+
+
 @runtime_checkable
 class BlockHasher(Protocol):
     """The seam: return the cache key of one full block (any ``bytes``, same input -> same key)."""
@@ -52,8 +62,9 @@ class BlockHasher(Protocol):
 
 
 class Sha256Hasher:
-    """SHA-256 over the typed encoding of (parent, tokens, extra, tenant_key).
+    """SHA-256 over the typed encoding of (BLOCK_DOMAIN, parent, tokens, extra, tenant_key).
 
+    The construction exercise 1b's ``chained_block_hash`` builds (over minikv's encoding).
     This is vLLM's default block hash since v0.10.2, which replaced Python's ``hash()``
     after crafted collisions were shown to be practical.  Security property: collision
     resistance (~2**128 work to find any collision).  It is *unkeyed*: anyone can compute
@@ -64,10 +75,10 @@ class Sha256Hasher:
     name, digest_size, keyed, unsafe = "sha256", 32, False, False
 
     def __init__(self, secret: bytes):
-        _check_secret(secret)  # unused, but every hasher is built the same way
+        check_secret(secret)  # unused, but every hasher is built the same way
 
     def __call__(self, parent, tokens, extra, tenant_key):
-        return hashlib.sha256(encode_fields(parent, tokens, extra, tenant_key)).digest()
+        return hashlib.sha256(encode_fields(BLOCK_DOMAIN, parent, tuple(tokens), tuple(extra), tenant_key)).digest()
 
 
 class _KeyedHasher:
@@ -89,12 +100,13 @@ class _KeyedHasher:
     def _message(parent, tokens, extra, tenant_key) -> bytes:
         # The "keyed by a tenant?" flag puts tenant-keyed and shared blocks in disjoint
         # message domains, a second wall behind the key itself.
-        return encode_fields(parent, tokens, extra, tenant_key is not None)
+        return encode_fields(BLOCK_LABEL, parent, tuple(tokens), tuple(extra), tenant_key is not None)
 
 
 class HmacSha256Hasher(_KeyedHasher):
     """HMAC-SHA256 keyed with ``tenant_key`` (or the shared key derived from the secret).
 
+    Exercise 2b's ``TenantKeyedHasher``, exactly (same key, same message, same bytes).
     Security property: a pseudo-random function.  Without the key, block hashes are
     unpredictable and unforgeable, so neither a client nor a reader of a hash dump can
     confirm a guessed prompt; with different keys, equal prompts get unrelated hashes.
@@ -151,7 +163,7 @@ class BuiltinHasher:
     name, digest_size, keyed, unsafe = "builtin", 8, False, True
 
     def __init__(self, secret: bytes):
-        _check_secret(secret)
+        check_secret(secret)
 
     def __call__(self, parent, tokens, extra, tenant_key):
         lanes = (_bytes_as_int(parent), _bytes_as_int(tenant_key), *map(_extra_as_int, extra), *tokens)
@@ -159,7 +171,7 @@ class BuiltinHasher:
 
 
 class Trunc32Hasher:
-    """UNSAFE: SHA-256 of the same input as :class:`Sha256Hasher`, truncated to 4 bytes.
+    """UNSAFE: SHA-256 of the typed (parent, tokens, extra, tenant_key), truncated to 4 bytes.
 
     The hash function is fine; the output is too short.  By the birthday bound, about
     2**16 random blocks already contain a colliding pair -- a fraction of a second.
@@ -168,7 +180,7 @@ class Trunc32Hasher:
     name, digest_size, keyed, unsafe = "trunc32", 4, False, True
 
     def __init__(self, secret: bytes):
-        _check_secret(secret)
+        check_secret(secret)
 
     def __call__(self, parent, tokens, extra, tenant_key):
         return hashlib.sha256(encode_fields(parent, tokens, extra, tenant_key)).digest()[:4]
@@ -191,7 +203,7 @@ class PolyHasher:
     BASE = 31
 
     def __init__(self, secret: bytes):
-        _check_secret(secret)
+        check_secret(secret)
 
     def __call__(self, parent, tokens, extra, tenant_key):
         seq = (_bytes_as_int(parent), _bytes_as_int(tenant_key), *map(_extra_as_int, extra), *tokens)

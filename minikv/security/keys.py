@@ -42,14 +42,20 @@ __all__ = [
     "derive_tenant_key",
     "derive_operator_key",
     "derive_shared_key",
+    "check_secret",
+    "TENANT_LABEL",
+    "SHARED_LABEL",
+    "OPERATOR_LABEL",
 ]
 
 SECRET_BYTES = 32  # 256 bits: the HMAC-SHA256 block key size we aim for
 MIN_SECRET_BYTES = 16  # 128 bits: below this, brute-forcing the secret becomes a real risk
 
-_TENANT_LABEL = "minikv/tenant-key/v1"
-_OPERATOR_LABEL = "minikv/operator-key/v1"
-_SHARED_LABEL = "minikv/shared-key/v1"
+# One versioned label per purpose (domain separation).  solutions/ex2_tenant_keys.py imports
+# TENANT_LABEL and SHARED_LABEL, so the course's derivation and the engine's are the same bytes.
+TENANT_LABEL = "minikv/tenant-key/v1"
+OPERATOR_LABEL = "minikv/operator-key/v1"
+SHARED_LABEL = "minikv/shared-key/v1"
 
 
 def new_engine_secret() -> bytes:
@@ -61,18 +67,19 @@ def new_engine_secret() -> bytes:
     return secrets.token_bytes(SECRET_BYTES)
 
 
-def _check_secret(secret) -> bytes:
+def check_secret(secret, name: str = "engine secret") -> bytes:
+    """Return ``secret`` as bytes; ``TypeError`` unless bytes, ``ValueError`` if under 16 bytes.
+
+    The one validation of an engine secret (``EngineConfig`` calls it too)."""
     if not isinstance(secret, (bytes, bytearray)):
-        raise TypeError(f"engine secret must be bytes, got {type(secret).__name__}")
+        raise TypeError(f"{name} must be bytes, got {type(secret).__name__}")
     if len(secret) < MIN_SECRET_BYTES:
-        raise ValueError(
-            f"engine secret must be at least {MIN_SECRET_BYTES} bytes, got {len(secret)} bytes"
-        )
+        raise ValueError(f"{name} must be at least {MIN_SECRET_BYTES} bytes, got {len(secret)} bytes")
     return bytes(secret)
 
 
 def _derive(secret, *fields) -> bytes:
-    return hmac.digest(_check_secret(secret), encode_fields(*fields), "sha256")
+    return hmac.digest(check_secret(secret), encode_fields(*fields), "sha256")
 
 
 def derive_tenant_key(secret: bytes, tenant: str | None) -> bytes:
@@ -83,7 +90,7 @@ def derive_tenant_key(secret: bytes, tenant: str | None) -> bytes:
     """
     if tenant is not None and not isinstance(tenant, str):
         raise TypeError(f"tenant must be a str or None, got {type(tenant).__name__}")
-    return _derive(secret, _TENANT_LABEL, tenant)
+    return _derive(secret, TENANT_LABEL, tenant)
 
 
 def derive_operator_key(secret: bytes) -> bytes:
@@ -92,7 +99,7 @@ def derive_operator_key(secret: bytes) -> bytes:
     Fingerprints are ``HMAC(operator_key, block_hash)``: someone reading the log cannot
     hash a guessed prompt and look for it, because they lack this key.
     """
-    return _derive(secret, _OPERATOR_LABEL)
+    return _derive(secret, OPERATOR_LABEL)
 
 
 def derive_shared_key(secret: bytes) -> bytes:
@@ -102,4 +109,4 @@ def derive_shared_key(secret: bytes) -> bytes:
     prefixes.  Keying those hashes too means block hashes still reveal nothing to someone
     who sees them (e.g. in a debug dump) but not the engine secret.
     """
-    return _derive(secret, _SHARED_LABEL)
+    return _derive(secret, SHARED_LABEL)

@@ -12,6 +12,7 @@ import hashlib
 import struct
 
 from ...security.encoding import encode_fields as _typed
+from ...security.hashing import BLOCK_DOMAIN
 from ._table import entries
 
 # ============================================================================ 1a encode_fields
@@ -48,7 +49,7 @@ def encode_json_like(*fields) -> bytes:
 
 # ============================================================================ 1b chained hash
 
-_DOMAIN = "minikv-course/block-key/v1"
+_DOMAIN = BLOCK_DOMAIN
 
 
 def hash_untyped_concat(parent, tokens, extra, tenant_key) -> bytes:

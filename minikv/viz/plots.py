@@ -19,6 +19,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.ticker import PercentFormatter
 
+from minikv.audit.stats import roc_auc
 from minikv.viz.draw import new_figure
 from minikv.viz.layout import OKABE_ITO
 
@@ -91,12 +92,6 @@ def roc_curve(hit, miss) -> tuple[np.ndarray, np.ndarray]:
     return fpr, tpr
 
 
-def roc_auc(hit, miss) -> float:
-    """Area under :func:`roc_curve` (trapezoids), equal to P(hit faster than miss) + ties / 2."""
-    fpr, tpr = roc_curve(hit, miss)
-    return float(np.sum(np.diff(fpr) * (tpr[1:] + tpr[:-1]) / 2))
-
-
 def plot_roc(hit, miss, ax: Axes | None = None,
              published: Mapping[str, float | tuple[float, float]] | None = None,
              title: str = "Telling hits from misses by timing", label: str = "measured") -> Figure:
@@ -107,7 +102,7 @@ def plot_roc(hit, miss, ax: Axes | None = None,
     """
     ax = _axes(ax, (5.0, 5.0))
     fpr, tpr = roc_curve(hit, miss)
-    auc = roc_auc(hit, miss)
+    auc = roc_auc(hit, miss)  # = the area under this curve (trapezoids; ties count one half)
     ax.plot(fpr, tpr, color=HIT_COLOR, linewidth=2, drawstyle="default",
             label=f"{label} (AUC = {auc:.2f})")
     ax.plot([0, 1], [0, 1], color="#999999", linestyle=":", linewidth=1,

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from minikv import LLM, SamplingParams, UnsafeSettingWarning
-from minikv.attacks.stale_kv import (BuggyAbortBlockManager, abort_recycles_held_blocks, buggy_context_mask,
-                                     invert_layer0, layer0_kv_table, read_slots, render_tokens,
-                                     spray_stale_reads, unmasked_decode_attention)
+from minikv.attacks.engine_bugs import (BuggyAbortBlockManager, abort_recycles_held_blocks, buggy_context_mask,
+                                        spray_stale_reads, unmasked_decode_attention)
+from minikv.attacks.kv_inversion import invert_layer0, layer0_kv_table, read_slots, render_tokens
 from minikv.engine import attention
 
 BS = 16

@@ -17,8 +17,8 @@ uvicorn = pytest.importorskip("uvicorn")
 from fastapi import FastAPI, Request  # noqa: E402
 
 from minikv.audit.cli import add_audit_parser  # noqa: E402
-from minikv.audit.timing import (TimingAuditError, TimingPlan, TimingReport, _Pacer,  # noqa: E402
-                                 plan_timing_audit, run_timing_audit)
+from minikv.audit.timing import TimingPlan, TimingReport, plan_timing_audit, run_timing_audit  # noqa: E402
+from minikv.audit.timing_client import Pacer, TimingAuditError  # noqa: E402
 
 # Per arm.  The floor for alpha = 1e-8 is 15; at 30, up to 7 hits delayed past every miss (CPU
 # contention on a busy 2-core CI box) still give p < 1e-8.  Negatives need no margin: 16.
@@ -181,12 +181,12 @@ def test_rate_limit_is_respected(api):
 def test_pacer_counts_with_fake_clock():
     now = [0.0]
     slept = []
-    pacer = _Pacer(10.0, clock=lambda: now[0], sleep=lambda s: (slept.append(s), now.__setitem__(0, now[0] + s)))
+    pacer = Pacer(10.0, clock=lambda: now[0], sleep=lambda s: (slept.append(s), now.__setitem__(0, now[0] + s)))
     for _ in range(5):
         pacer.wait()
     assert now[0] == pytest.approx(0.4) and len(slept) == 4
     with pytest.raises(ValueError):
-        _Pacer(0)
+        Pacer(0)
 
 
 def test_bad_key_aborts_with_clear_error(api):

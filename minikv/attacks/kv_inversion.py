@@ -18,7 +18,7 @@ NDSS 2026): at layer 0 a single lookup over the vocabulary suffices.
 :func:`read_slots` is the attacker's input: the raw bytes a memory dump (or a bug that hands
 slots to the wrong reader) exposes; :func:`render_tokens` turns recovered ids back into text.
 How such bytes reach an attacker in the first place is :mod:`minikv.attacks.engine_bugs`'s
-subject; :mod:`minikv.attacks.stale_kv` (lesson 05's entry point) re-exports both modules.
+subject (lesson 05 uses both modules).
 """
 from __future__ import annotations
 

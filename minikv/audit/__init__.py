@@ -19,7 +19,7 @@ _EXPORTS = {
     "roc_auc": "stats", "min_samples_for": "stats",
     "gu_verdicts": "gu", "gu_table": "gu", "load_gu_runs": "gu", "find_gu_zip": "gu",
     "run_timing_audit": "timing", "TimingReport": "timing", "TimingPlan": "timing",
-    "TimingAuditError": "timing",
+    "TimingAuditError": "timing_client",
     "Finding": "detector", "detect": "detector", "load_trail": "detector", "load_trails": "detector",
     "add_audit_parser": "cli",
 }

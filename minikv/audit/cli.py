@@ -38,7 +38,8 @@ def _err(msg: str) -> int:
 def _cmd_timing(args: argparse.Namespace) -> int:
     import httpx
 
-    from .timing import TimingAuditError, TimingPlan, run_timing_audit
+    from .timing import TimingPlan, run_timing_audit
+    from .timing_client import TimingAuditError
 
     key = args.api_key or os.environ.get("MINIKV_AUDIT_API_KEY")
     if not key:

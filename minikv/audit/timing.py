@@ -43,8 +43,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from .stats import GU_ALPHA, AuditResult, audit_samples, min_samples_for
-# TimingAuditError and _Pacer are re-exported: they used to live here.
-from .timing_client import TimingAuditError, _Client, _Pacer, _random_words  # noqa: F401
+from .timing_client import Client, Pacer, TimingAuditError, random_words
 
 WARMUP_WORDS = 64
 
@@ -192,7 +191,7 @@ def run_timing_audit(base_url: str, api_key: str, victim_key: str | None = None,
     random.Random(seed).shuffle(order)
     words_rng = random.Random(f"{seed}:{salt}")
     max_failures = max(1, len(order) // 10) if max_failures is None else max_failures
-    client = _Client(base_url, endpoint, model, _Pacer(rate_limit), timeout, max_failures)
+    client = Client(base_url, endpoint, model, Pacer(rate_limit), timeout, max_failures)
     victim = victim_key if victim_key is not None else api_key
     hits: list[float] = []
     misses: list[float] = []
@@ -202,7 +201,7 @@ def run_timing_audit(base_url: str, api_key: str, victim_key: str | None = None,
             client.model = client.discover_model(api_key)
         # Warm-up: opens the keep-alive connection so no trial pays the TCP/TLS handshake,
         # and tells us how many tokens the server's tokenizer makes of our words.
-        client.timed(api_key, " ".join(_random_words(words_rng, WARMUP_WORDS)), strict=True)
+        client.timed(api_key, " ".join(random_words(words_rng, WARMUP_WORDS)), strict=True)
         per_word = (client.last_prompt_tokens or WARMUP_WORDS) / WARMUP_WORDS
         n_words = max(1, round(prompt_tokens / max(per_word, 1e-3)))
         n_shared = max(1, round(prefix_fraction * n_words))
@@ -211,7 +210,7 @@ def run_timing_audit(base_url: str, api_key: str, victim_key: str | None = None,
             from tqdm import tqdm
             trials = tqdm(order, desc="timing audit", unit="trial", file=sys.stderr)
         for kind in trials:
-            words = _random_words(words_rng, n_words)
+            words = random_words(words_rng, n_words)
             if kind == "miss":
                 dt = client.timed(api_key, " ".join(words))
                 if dt is not None:
@@ -219,7 +218,7 @@ def run_timing_audit(base_url: str, api_key: str, victim_key: str | None = None,
                 continue
             for _ in range(victim_requests):
                 client.timed(victim, " ".join(words))
-            probe = words[:n_shared] + _random_words(words_rng, n_words - n_shared)
+            probe = words[:n_shared] + random_words(words_rng, n_words - n_shared)
             dt = client.timed(api_key, " ".join(probe))
             if dt is not None:
                 hits.append(dt)

@@ -5,9 +5,9 @@ What :func:`~minikv.audit.timing.run_timing_audit` measures is only as good as t
 * **Prompts** are random runs of short common words, drawn from a per-run salted generator, so
   no prompt of an audit was ever sent before (a rerun would otherwise find its "miss" prompts
   cached by the previous run) and none collides with another by chance.
-* **Pacing** (:class:`_Pacer`) spaces request *starts*, never their ends: the audit respects a
+* **Pacing** (:class:`Pacer`) spaces request *starts*, never their ends: the audit respects a
   provider's rate limit without the sleep landing inside a measured interval.
-* **Timing** (:class:`_Client`) is ``time.perf_counter()`` around the whole HTTP round trip on a
+* **Timing** (:class:`Client`) is ``time.perf_counter()`` around the whole HTTP round trip on a
   kept-alive connection -- all an attacker sees, measured the way Gu et al. measured it.  A
   transient failure (5xx, 429, network) drops a trial; a client error (bad key, unknown model)
   stops the audit at once, because every later request would fail the same way.
@@ -33,7 +33,7 @@ _WORDS = (
 ).split()
 
 
-def _random_words(rng: random.Random, n: int) -> list[str]:
+def random_words(rng: random.Random, n: int) -> list[str]:
     return [rng.choice(_WORDS) for _ in range(n)]
 
 
@@ -41,7 +41,7 @@ class TimingAuditError(RuntimeError):
     """The endpoint refused or failed too many requests for a meaningful audit."""
 
 
-class _Pacer:
+class Pacer:
     """Keeps request *starts* at least ``1/rate`` seconds apart (None = unlimited)."""
 
     def __init__(self, rate: float | None, clock: Callable[[], float] = time.monotonic,
@@ -59,10 +59,10 @@ class _Pacer:
         self.next_t = now + self.interval
 
 
-class _Client:
+class Client:
     """Sends one completion request per call and returns its client-side latency in seconds."""
 
-    def __init__(self, base_url: str, endpoint: str, model: str | None, pacer: _Pacer,
+    def __init__(self, base_url: str, endpoint: str, model: str | None, pacer: Pacer,
                  timeout: float, max_failures: int):
         if endpoint not in ("completions", "chat"):
             raise ValueError(f"endpoint must be 'completions' or 'chat', got {endpoint!r}")

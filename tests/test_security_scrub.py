@@ -8,34 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
 
+from minikv.engine.kv_pool import KVPool
+from minikv.grading.scrubbing import BLOCKS, FakePool  # the tensors of a pool, nonzero random numbers
 from minikv.security.scrub import (SCRUBBERS, UNSAFE_SCRUBBERS, NoScrub, Scrubber, ScrubOnAlloc, ScrubOnFree,
                                    make_scrubber, zero_blocks)
-
-LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM = 3, 8, 4, 2, 5
-
-
-class FakePool:
-    """Just the attributes a scrubber may touch; no ``zero_blocks``, so the direct path runs."""
-
-    def __init__(self, seed: int = 0):
-        g = torch.Generator().manual_seed(seed)
-        shape = (LAYERS, BLOCKS, BLOCK_SIZE, HEADS, HEAD_DIM)
-        # +1 keeps every entry nonzero, so "zeroed" and "untouched" can't be confused
-        self.k_cache = torch.rand(shape, generator=g) + 1
-        self.v_cache = torch.rand(shape, generator=g) + 1
-        self.num_blocks, self.block_size, self.num_layers = BLOCKS, BLOCK_SIZE, LAYERS
-        self.num_kv_heads, self.head_dim, self.dtype, self.device = HEADS, HEAD_DIM, torch.float32, "cpu"
-
-
-class PoolWithZeroBlocks(FakePool):
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def zero_blocks(self, block_ids):
-        self.calls.append(list(block_ids))
-        FakePool.__init__(self, seed=1)  # a recognisable effect distinct from zeroing
-
 
 def _assert_scrubbed_exactly(pool, before_k, before_v, ids):
     ids = set(ids)
@@ -96,12 +72,13 @@ def test_hooks_attribute_says_which_hooks_zero_memory():
             assert zeroed == (hook in cls.hooks), (name, hook)
 
 
-def test_pool_zero_blocks_is_used_when_present_and_skipped_when_empty():
-    pool = PoolWithZeroBlocks()
-    ScrubOnAlloc().on_alloc(pool, (4, 2))
-    ScrubOnFree().on_free(pool, [])
-    ScrubOnAlloc().on_alloc(pool, [])
-    assert pool.calls == [[4, 2]]
+def test_kv_pool_zero_blocks_is_the_one_scrub():
+    pool = KVPool(3, 6, 4, 2, 5, torch.float32, "cpu")
+    pool.k_cache.fill_(1.0)
+    pool.v_cache.fill_(1.0)
+    pool.zero_blocks((4, 2))
+    for cache in (pool.k_cache, pool.v_cache):
+        assert [int(torch.count_nonzero(cache[:, b])) == 0 for b in range(6)] == [False, False, True, False, True, False]
 
 
 def test_empty_list_is_a_no_op_on_the_direct_path():

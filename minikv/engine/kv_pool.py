@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from ..security.scrub import zero_blocks
+
 
 def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """K and V, for every layer and KV head: the memory one token costs in the cache."""
@@ -40,13 +42,9 @@ class KVPool:
         return self.k_cache.nbytes + self.v_cache.nbytes
 
     def zero_blocks(self, block_ids: list[int]) -> None:
-        """Scrub: overwrite every layer's K and V of these blocks with zeros (one indexed write
-        per tensor, not a Python loop)."""
-        if not block_ids:
-            return
-        idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=self.device)
-        self.k_cache.index_fill_(1, idx, 0)
-        self.v_cache.index_fill_(1, idx, 0)
+        """Scrub: overwrite every layer's K and V of these blocks with zeros
+        (:func:`minikv.security.scrub.zero_blocks`: one indexed write per tensor)."""
+        zero_blocks(self, block_ids)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K/V ([T, kv_heads, head_dim]) at flat slot indices ``slots``."""

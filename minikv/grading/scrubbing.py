@@ -26,7 +26,8 @@ NUM_BLOCKS = 16  # engine pool: two or three requests at a time, so blocks are e
 
 
 class FakePool:
-    """Just the tensors of a pool, filled with nonzero random numbers (no ``zero_blocks``)."""
+    """Just the tensors of a pool, filled with nonzero random numbers (no ``zero_blocks``), so
+    "zeroed" and "untouched" cannot be confused; tests/test_security_scrub.py uses it too."""
 
     def __init__(self, seed: int = 0):
         g = torch.Generator().manual_seed(seed)

@@ -51,18 +51,15 @@ class Scrubber(Protocol):
 
 
 def zero_blocks(pool, block_ids) -> None:
-    """Zero ``block_ids`` in every layer of ``pool.k_cache`` and ``pool.v_cache``.
+    """Zero ``block_ids`` in every layer of ``pool.k_cache`` and ``pool.v_cache``, in place.
 
-    Uses ``pool.zero_blocks`` when the pool provides it (the real ``KVPool`` does), else
-    one ``index_fill_`` per tensor over dim 1 (the block dimension of
-    ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``).
+    The one scrub of minikv (``KVPool.zero_blocks`` calls it; exercise 3a writes it): one
+    ``index_fill_`` per tensor over dim 1, the block dimension of
+    ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``.
     """
     ids = list(block_ids)
     if not ids:
         return  # no kernel launch, no audit noise for an empty free
-    if hasattr(pool, "zero_blocks"):
-        pool.zero_blocks(ids)
-        return
     import torch  # lazily: minikv.security must stay importable without torch
 
     idx = torch.as_tensor(ids, dtype=torch.long, device=pool.k_cache.device)

@@ -22,17 +22,18 @@ grader                                 ex    what is checked
 ``check_roc_auc``                      5b    AUC equal to minikv.audit.stats
 =====================================  ====  ============================================
 
-The graders of exercises 1 and 2 live in ``chained_hash`` and ``tenant_keys`` (with the engine
-run they share in ``hashing_workload``; ``hashing`` gathers them).  ``minikv.grading.mutants``
-holds realistic wrong implementations of each exercise, one module per exercise (the tests
-prove every grader rejects them); ``minikv.grading.make_exercises`` generates ``exercises/``
-from ``solutions/``; ``minikv.grading.runner`` is ``make grade``.
+One module per exercise: ``hashing`` (1, and the engine run that every hashing grader ends
+with), ``tenant_keys`` (2), ``scrubbing`` (3), ``isolation`` (4), ``stats`` (5); ``engines``
+builds the small real engines they run.  ``minikv.grading.mutants`` holds realistic wrong
+implementations of each exercise, one module per exercise (the tests prove every grader
+rejects them); ``minikv.grading.make_exercises`` generates ``exercises/`` from ``solutions/``;
+``minikv.grading.runner`` is ``make grade``.
 """
-from .hashing import (check_block_keys, check_chained_hash, check_encode_fields, check_tenant_key_derivation,
-                      check_tenant_keyed_hasher)
+from .hashing import check_chained_hash, check_encode_fields
 from .isolation import check_audit_verdict, check_isolation_audit
 from .scrubbing import check_scrubber, check_zero_blocks
 from .stats import check_ks_test, check_roc_auc
+from .tenant_keys import check_block_keys, check_tenant_key_derivation, check_tenant_keyed_hasher
 
 __all__ = [
     "check_encode_fields", "check_chained_hash", "check_tenant_key_derivation", "check_tenant_keyed_hasher",

@@ -13,7 +13,7 @@ from contextlib import redirect_stdout
 from dataclasses import dataclass
 from typing import Callable
 
-from . import hashing, isolation, scrubbing, stats
+from . import hashing, isolation, scrubbing, stats, tenant_keys
 
 
 @dataclass(frozen=True)
@@ -35,11 +35,11 @@ EXERCISES: list[Exercise] = [
              "typed, length-prefixed encoding", "07"),
     Exercise("1b", "ex1_chained_hash", "chained_block_hash", hashing.check_chained_hash,
              "chained, domain-separated block hash", "07", ("encode_fields",)),
-    Exercise("2a", "ex2_tenant_keys", "derive_tenant_key", hashing.check_tenant_key_derivation,
+    Exercise("2a", "ex2_tenant_keys", "derive_tenant_key", tenant_keys.check_tenant_key_derivation,
              "server-side per-tenant keys (HMAC)", "07"),
-    Exercise("2b", "ex2_tenant_keys", "TenantKeyedHasher", hashing.check_tenant_keyed_hasher,
+    Exercise("2b", "ex2_tenant_keys", "TenantKeyedHasher", tenant_keys.check_tenant_keyed_hasher,
              "tenant-keyed block hasher", "07"),
-    Exercise("2c", "ex2_tenant_keys", "block_keys", hashing.check_block_keys,
+    Exercise("2c", "ex2_tenant_keys", "block_keys", tenant_keys.check_block_keys,
              "tenant key in every block (plumbing)", "07"),
     Exercise("3a", "ex3_scrubbing", "zero_blocks", scrubbing.check_zero_blocks,
              "zero blocks: all layers, K and V", "08"),

@@ -4,8 +4,8 @@ A chained hash stops *accidental* sharing; a tenant key stops *deliberate* probi
 (a) nobody can compute a tenant's key without the engine secret, and (b) the key reaches every
 private block.  (b) is where engines fail: a key in the first block only seems enough, since
 chaining carries it down -- until an unkeyed public system prompt starts the chain.  Each check
-tests the contract on direct calls, then installs the code in an engine
-(:mod:`.hashing_workload`) and compares with minikv's ``hmac-sha256``.
+tests the contract on direct calls, then installs the code in an engine (the workload of
+:mod:`.hashing`) and compares with minikv's ``hmac-sha256``.
 """
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ from ..engine.sequence import Sequence
 from ..security.hashing import make_hasher
 from ..security.keys import derive_tenant_key as ref_derive_tenant_key
 from ._report import CheckFailed, call_safely, expect, grader
-from .chained_hash import KEY_A, KEY_B, check_block_hash_properties
-from .hashing_workload import engine_stage_block_keys, engine_stage_hasher, engine_stage_key_derivation, tenant_name
+from .hashing import (KEY_A, KEY_B, check_block_hash_properties, engine_stage_block_keys, engine_stage_hasher,
+                      engine_stage_key_derivation, tenant_name)
 
 SECRET_A = bytes(range(32))
 SECRET_B = bytes(range(1, 33))

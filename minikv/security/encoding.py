@@ -1,50 +1,10 @@
 """Typed, length-prefixed encoding of the fields that go into a cache key.
 
-Why a block key needs a real encoding
--------------------------------------
-A prefix-cache key is a hash over several things: the parent block's key, the block's
-token ids, "extra keys" (a LoRA adapter name, a multimodal image hash, a cache salt) and,
-in minikv, the tenant's key.  A hash function only ever sees *one* byte string, so those
-fields must first be glued together.  Gluing them naively is a classic bug: if the encoding
-of ``("lora", "salt")`` equals the encoding of ``("lorasalt",)``, or ``(b"a", b"bc")``
-equals ``(b"ab", b"c")``, then two *different* keys hash to the same value no matter how
-strong the hash is.  Real engines have shipped exactly this class of bug.  In vLLM issue
-#44701, a LoRA adapter's name and a request's ``cache_salt`` went into the same extra-key
-tuple as bare, untagged strings, so a LoRA request named ``X`` and a base-model request
-salted ``X`` got the same block hash (and shared K/V computed under different weights).
-SGLang PR #30827 keeps ``cache_salt`` apart from the caller-defined ``extra_key`` because
-concatenating the two can collide.
-
-The fix is the one every serious serialisation format uses: every field carries a
-**type tag** and a **length**, so a decoder always knows where a field ends and what it
-was.  An encoding with a decoder is *injective*: two different inputs cannot produce the
-same bytes, because decoding the bytes would have to return both.  That is why this
-module ships :func:`decode_fields` next to :func:`encode_fields`, and why the tests check
-``decode(encode(x)) == x`` instead of trusting a handful of examples.
-
-Wire format
------------
-Each field is ``tag (1 byte) || length (8 bytes, big-endian) || payload``:
-
-=========  ====  ====================================================================
-type       tag   payload / length
-=========  ====  ====================================================================
-None       0x00  empty, length 0
-bytes      0x01  the bytes (``bytearray`` / ``memoryview`` encode as bytes)
-str        0x02  UTF-8 (``surrogatepass``, so every Python ``str`` is encodable)
-int        0x03  minimal-ish two's complement, big-endian (any size, any sign)
-bool       0x04  one byte 0/1 -- ``True`` and ``1`` are *different* keys
-sequence   0x05  length = item *count*; then each item encoded recursively
-int32 seq  0x06  a tuple/list of plain ints that all fit in int32: packed ``>i``
-int64 seq  0x07  same, fitting in int64: packed ``>q``
-=========  ====  ====================================================================
-
-Tuples and lists are the same "sequence" on purpose: ``[1, 2]`` and ``(1, 2)`` are the same
-token block, and a key must not depend on which container a caller happened to use.
-The packed tags exist for speed: the engine encodes every full 16-token block, and packing
-16 ints with :mod:`struct` is several times faster than encoding 16 tagged fields.  The
-choice between packed and generic form is a pure function of the value, so each value has
-exactly one encoding (the format is canonical as well as injective).
+Every field is ``tag (1 byte) || length (8 bytes, big-endian) || payload``, so different field
+tuples never give the same bytes (``("lora", "salt")`` vs ``("lorasalt",)``, vLLM #44701), and
+:func:`decode_fields` inverts it: the proof of injectivity.  Tuples and lists are the same
+sequence; token tuples take packed int32/int64 fast paths.  Lesson 07, section 2 ("One byte
+string from many fields") explains why a key needs this and tabulates the wire format.
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
 """Block hashers: how a KV block's prefix-cache key is computed.
 
-With prefix caching on, the engine looks blocks up by a hash of everything that determines
-their K/V contents: the parent block's hash (so a key stands for the *whole* prefix, not just
-16 tokens), the block's token ids, extra keys, and -- in minikv -- the tenant key.  Two
-failure modes matter for security:
+A block key covers the parent block's key (so it names the *whole* prefix), the block's token
+ids, extra keys and the tenant key, typed by :mod:`.encoding`.  ``sha256`` is exercise 1b's
+chained, domain-separated hash; ``hmac-sha256`` (and ``blake2b-keyed``) exercise 2b's keyed
+one, so that only the engine can compute keys and equal prompts of different tenants never
+share blocks.  Lesson 06 shows what collisions and guessable keys do; lesson 07, sections 3
+and 5, builds these hashers.
 
-* **Collisions.**  If two different prefixes share a key, a request silently reuses K/V
-  computed for someone else's text: wrong output at best, a cross-tenant leak at worst
-  (the attacker's request attends over the victim's cached K/V).  An attacker who can
-  *craft* colliding blocks can also poison the cache for others.  A collision-resistant
-  hash (SHA-256, BLAKE2) over an injective encoding (:mod:`.encoding`) rules this out.
-* **Guessable keys.**  An unkeyed hash lets anyone who sees or infers a key test guesses
-  offline.  Keying the hash with a server-side secret (HMAC, keyed BLAKE2) means only the
-  engine can compute keys.  Keying it per tenant (:mod:`.keys`) additionally means that
-  equal prompts from different tenants never share blocks.
-
-Every hasher follows the ``BlockHasher`` protocol below (the seam from ARCHITECTURE.md) and
-is built by ``make_hasher(name, secret)``.  The three UNSAFE hashers exist so the course
-can demonstrate real collisions (see :mod:`minikv.attacks.collisions`); never serve traffic with them.
+Every hasher follows the ``BlockHasher`` protocol (the seam of ARCHITECTURE.md) and is built
+by ``make_hasher(name, secret)``.  The three UNSAFE hashers exist so the course can demonstrate
+real collisions (``minikv.attacks.collisions``); never serve traffic with them.
 """
 
 from __future__ import annotations

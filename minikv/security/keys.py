@@ -1,31 +1,11 @@
 """Server-side key material: the engine secret and the keys derived from it.
 
-Why per-tenant keys at all
---------------------------
-A shared prefix cache is a side channel.  If tenant B's prompt reuses blocks that tenant A
-computed, B's request is measurably faster (fewer tokens to prefill), so B can *probe*
-"did anyone recently send this prefix?" one guess at a time and reconstruct A's prompt.
-The structural fix is to make cache keys tenant-specific: if the block key covers a key
-that only the server knows and that differs per tenant, B's guesses can only ever hit B's
-own blocks.
-
-Why the key lives on the server
--------------------------------
-vLLM's answer to this problem is a per-request ``cache_salt`` chosen by the *client*.  A
-salt is an ordinary request-body field: whoever writes the request chooses it, so an
-adversary who learns a victim's salt (request logs, a shared SDK config, a predictable
-scheme) simply sends the same value and shares the victim's blocks again -- no guessing
-needed (vLLM PR #53347 proposes documenting exactly this trust boundary).  minikv instead
-derives the key on the server from (engine secret, authenticated tenant id): clients never
-see it, cannot choose it and cannot copy another tenant's.
-
-Derivation
-----------
-Every key is ``HMAC-SHA256(secret, encode_fields(label, ...))`` with a distinct, versioned
-label per purpose ("domain separation"): a tenant key can never equal the operator key or
-the shared key, and bumping ``/v1`` rotates every key of one kind at once.  The label and
-the tenant id go through :func:`~minikv.security.encoding.encode_fields`, so the anonymous
-tenant (``None``) and the empty-string tenant (``""``) get different keys.
+Every key is ``HMAC-SHA256(secret, encode_fields(label, ...))`` with one versioned label per
+purpose: a tenant's cache key, the operator key of audit fingerprints, the shared key of
+unkeyed blocks.  Clients never see, choose or copy a key (unlike vLLM's client-chosen
+``cache_salt``), and the typed encoding keeps the anonymous tenant ``None`` apart from ``""``.
+Lesson 07, section 4 ("Per-tenant keys, derived on the server") tells why; exercise 2a
+writes :func:`derive_tenant_key`.
 """
 
 from __future__ import annotations

@@ -13,6 +13,9 @@ __all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput"
 
 
 def __getattr__(name):
+    if name == "LLM":  # the front door composes engine, model hub and audit trail (minikv/llm.py)
+        from .llm import LLM
+        return LLM
     if name in __all__:
         from . import engine
         return getattr(engine, name)

@@ -33,7 +33,8 @@ import warnings
 
 import torch
 
-from .engine import LLM, SamplingParams, UnsafeSettingWarning
+from .engine import SamplingParams, UnsafeSettingWarning
+from .llm import LLM
 from .models.hub import resolve_model
 
 TARGETS = {"throughput_ratio": ">= 1.0", "ttft_hit_over_miss": "<= 0.15",

@@ -20,7 +20,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from .serve.cli import engine_kwargs_from_args
 
     try:
-        from .engine.llm import LLM
+        from .llm import LLM
         from .engine.sampling import SamplingParams
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.sample_seed, stop=args.stop or None,

@@ -222,7 +222,7 @@ def no_model_loading(monkeypatch):
     """Fail the test if any weights load: bad settings must be rejected before that."""
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the bad setting was rejected")
-    monkeypatch.setattr("minikv.engine.engine.load_model", refuse)
+    monkeypatch.setattr("minikv.llm.load_model", refuse)
 
 
 @pytest.mark.parametrize("call,exc,match", [c[1:] for c in TABLE], ids=[c[0] for c in TABLE])

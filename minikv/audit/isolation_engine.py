@@ -27,12 +27,12 @@ from .isolation import AuditRequest, IsolationReport, _tally, build_workload
 
 def _as_engine(llm_or_engine_kwargs):
     if isinstance(llm_or_engine_kwargs, Mapping):
-        from ..engine.llm import LLM
+        from ..llm import LLM
         return LLM(**dict(llm_or_engine_kwargs)).engine
     from ..engine.config import EngineConfig
     if isinstance(llm_or_engine_kwargs, EngineConfig):
-        from ..engine.engine import LLMEngine
-        return LLMEngine(llm_or_engine_kwargs)
+        from ..llm import build_engine
+        return build_engine(llm_or_engine_kwargs)
     return getattr(llm_or_engine_kwargs, "engine", llm_or_engine_kwargs)
 
 

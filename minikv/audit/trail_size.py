@@ -25,7 +25,8 @@ def trail_bytes_per_request(weights=None, *, levels=LEVELS, num_requests: int = 
     ``weights``: an ``LLM`` or ``LLMEngine`` whose loaded model is reused (each level runs on a
     fork of it, with block size 16); None loads ``tiny-random``.  Model and device do not change
     the byte count, only the time it takes."""
-    from ..engine import LLM, SamplingParams
+    from ..engine.sampling import SamplingParams
+    from ..llm import LLM
 
     if weights is None:
         weights = LLM("tiny-random", device="cpu")

@@ -17,7 +17,6 @@ import time
 
 import torch
 
-from ..models.hub import resolve_model
 from ..security.hashing import make_hasher
 from ..security.keys import derive_operator_key, derive_tenant_key, new_engine_secret
 from ..security.scrub import make_scrubber
@@ -26,7 +25,7 @@ from .block_manager import ALL_TENANTS, BlockManager
 from .checks import as_int, show
 from .config import EngineConfig, resolve_device
 from .kv_pool import KVPool, bytes_per_token
-from .loader import eos_token_ids, load_model, resolve_dtype
+from .loader import eos_token_ids, resolve_dtype
 from .model_runner import prepare_inputs
 from .outputs import RequestOutput
 from .sampling import SamplingParams, sample_row, stop_reason
@@ -35,14 +34,26 @@ from .sequence import Sequence, SequenceStatus, common_prefix_len
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, *, weights: tuple | None = None, **kwargs):
-        """``weights=(model, tokenizer, hf_config)`` reuses another engine's loaded (read-only)
-        weights instead of reading the checkpoint: several engines, one copy of the model."""
+    def __init__(self, config: EngineConfig | None = None, *, weights: tuple | None = None,
+                 open_trail=None, **kwargs):
+        """Both dependencies are handed in; the engine resolves no model name and imports no audit code.
+
+        ``weights=(model, tokenizer, hf_config)``: loaded weights (``loader.load_model(path, ...)``),
+        possibly another engine's (read-only): several engines, one copy of the model.
+        ``open_trail(config, operator_key) -> trail | None`` opens the audit trail named by
+        ``config.audit_log`` (``minikv.llm.open_trail`` builds a ``minikv.audit.trail.AuditTrail``).
+        ``minikv.LLM(name, ...)`` does both for you: it is the one place they are composed."""
         self.config = c = config if config is not None else EngineConfig(**kwargs)
-        self.device = resolve_device(c.device)  # a missing device fails here, before the weights load
+        self.device = resolve_device(c.device)
         self.dtype = resolve_dtype(c.dtype, self.device)
         if weights is None:
-            weights = load_model(resolve_model(c.model), self.dtype, self.device)
+            raise TypeError("LLMEngine needs weights=(model, tokenizer, hf_config): load them with "
+                            "minikv.engine.loader.load_model(path, dtype, device), or build the engine "
+                            "with minikv.LLM(model_name_or_path, ...)")
+        if c.audit_log is not None and open_trail is None:
+            raise ValueError(f"audit_log={c.audit_log!r} needs open_trail= to open it (minikv.LLM passes "
+                             "minikv.llm.open_trail); refusing to run without the trail asked for")
+        self._open_trail = open_trail
         self.model, self.tokenizer, self.hf_config = weights
         s = self.model.shape
         self.block_size = c.block_size
@@ -60,12 +71,9 @@ class LLMEngine:
             chain_hashes=c.chain_hashes, verify_hits=c.verify_hits,
             max_cached_per_tenant=c.cache_quota(self.num_blocks))
         self.block_manager.listeners.append(self._on_block_event)
-        self.audit = None
         # Fingerprints in the trail are keyed with the operator key; a fork inherits it (``fork``).
         self._operator_key = derive_operator_key(self._secret)
-        if c.audit_log is not None:
-            from ..audit.trail import AuditTrail
-            self.audit = AuditTrail(c.audit_log, self._operator_key, c.block_size, level=c.audit_level)
+        self.audit = open_trail(c, self._operator_key) if open_trail is not None else None
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens)
         self._tenant_keys: dict[str | None, bytes] = {}
         self._shared_prefixes = [self.encode_prompt(p)[0] for p in c.shared_prefixes]
@@ -96,7 +104,7 @@ class LLMEngine:
             if fixed in overrides:
                 raise ValueError(f"{fixed!r} cannot be overridden: a fork shares the parent's weights")
         cfg = dataclasses.replace(self.config, device=str(self.device), dtype=self.dtype, **overrides)
-        child = LLMEngine(cfg, weights=(self.model, self.tokenizer, self.hf_config))
+        child = LLMEngine(cfg, weights=(self.model, self.tokenizer, self.hf_config), open_trail=self._open_trail)
         if "engine_secret" not in overrides:
             # One audit identity per engine family: identical content gets the same fingerprint
             # in every fork's records.  A fork given its own secret is a separate domain.

@@ -16,7 +16,7 @@ import warnings
 from typing import Callable
 
 from ..engine.config import UnsafeSettingWarning
-from ..engine.llm import LLM
+from ..llm import LLM
 from ..engine.sampling import SamplingParams
 
 BS = 4  # block size of every grading engine: small blocks, many of them per prompt

@@ -137,7 +137,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 1
     try:
         kwargs = engine_kwargs_from_args(args)
-        from ..engine.llm import LLM
+        from ..llm import LLM
         llm = LLM(**kwargs)
     except (OSError, ValueError, TypeError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -6,6 +6,12 @@
 
 ``generate`` queues every prompt and steps the engine until they are all finished; the engine
 batches them continuously.  ``llm.engine`` is the step-by-step API for lessons and servers.
+
+This module is the *composition root*: the engine (``minikv.engine``) is handed its weights and
+its audit trail, and never imports where they come from.  :func:`build_engine` is the one place
+that resolves a model name to a checkpoint (``minikv.models.hub``), loads it
+(``minikv.engine.loader``) and gives the engine a way to open its trail (:func:`open_trail`,
+``minikv.audit.trail``).  See "Layers" in docs/ARCHITECTURE.md.
 """
 from __future__ import annotations
 
@@ -13,11 +19,28 @@ import numbers
 
 import numpy as np
 
-from .chat import render_chat
-from .config import EngineConfig
-from .engine import LLMEngine
-from .outputs import RequestOutput
-from .sampling import SamplingParams
+from .audit.trail import AuditTrail
+from .engine.chat import render_chat
+from .engine.config import EngineConfig, resolve_device
+from .engine.engine import LLMEngine
+from .engine.loader import load_model, resolve_dtype
+from .engine.outputs import RequestOutput
+from .engine.sampling import SamplingParams
+from .models.hub import resolve_model
+
+
+def open_trail(config: EngineConfig, operator_key: bytes) -> AuditTrail | None:
+    """The engine's audit trail (``config.audit_log``, ``config.audit_level``), or None."""
+    if config.audit_log is None:
+        return None
+    return AuditTrail(config.audit_log, operator_key, config.block_size, level=config.audit_level)
+
+
+def build_engine(config: EngineConfig) -> LLMEngine:
+    """An :class:`LLMEngine` for ``config``: model name -> checkpoint -> weights, plus the trail."""
+    device = resolve_device(config.device)  # a missing device fails here, before the weights load
+    weights = load_model(resolve_model(config.model), resolve_dtype(config.dtype, device), device)
+    return LLMEngine(config, weights=weights, open_trail=open_trail)
 
 
 def _as_prompt_list(prompts) -> list:
@@ -44,7 +67,7 @@ class LLM:
     """A model plus a KV-cache engine.  Keyword arguments are :class:`EngineConfig` fields."""
 
     def __init__(self, model: str = "smollm2-135m-instruct", **kwargs):
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self.engine = build_engine(EngineConfig(model=model, **kwargs))
 
     def fork(self, **overrides) -> "LLM":
         """Another LLM with its own KV pool and settings that shares this one's weights (no

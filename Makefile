@@ -3,6 +3,10 @@
 #   make test     the whole test suite: pytest over tests/, nbval over course/*.ipynb
 #   make grade    grade your exercise solutions
 #   make bench    run the benchmarks
+#   make upgrade-deps  re-pin constraints.txt to the newest releases (a throw-away venv
+#                 installed without pins, frozen); review the diff, then `make test`
+# Installs are pinned: .venv gets exactly the versions in constraints.txt, and is
+# re-installed when pyproject.toml or constraints.txt changes.
 # Knobs: PYTHON (base interpreter), PORT, PYTEST_ARGS, MINIKV_HOME (model cache),
 #        MINIKV_TORCH=system (reuse the base python's torch), see scripts/bootstrap.py.
 
@@ -14,10 +18,13 @@ MODEL := smollm2-135m-instruct
 NOTEBOOKS := $(wildcard course/*.ipynb)
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
-.PHONY: setup model chromium course test test-py test-nb grade bench clean
+.PHONY: setup upgrade-deps model chromium course test test-py test-nb grade bench clean
 
 setup:
 	@$(PYTHON) scripts/bootstrap.py
+
+upgrade-deps:
+	@$(PYTHON) scripts/bootstrap.py --upgrade-deps
 
 model: setup
 	@$(PY) -m minikv.models.hub fetch $(MODEL) >/dev/null

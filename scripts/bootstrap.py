@@ -3,7 +3,13 @@
 
 ``make course`` and ``make test`` call this first, so it must be *idempotent* and
 *fast when nothing changed*: a stamp file inside the venv records a hash of
-``pyproject.toml`` (and of this script); when it matches, we exit in milliseconds.
+``pyproject.toml``, ``constraints.txt`` (and of this script); when it matches, we exit in
+milliseconds.
+
+Installs are reproducible: minikv and all its extras (``EXTRAS``) are installed with
+``-c constraints.txt``, which pins every package CI uses. ``make upgrade-deps``
+(``bootstrap.py --upgrade-deps``) regenerates that file: it builds a throw-away venv the
+same way but *without* constraints, so pip picks the newest releases, and freezes it.
 
 The one delicate dependency is torch. ``pip install torch`` on Linux x86-64 fetches
 the CUDA build from PyPI (several GB of nvidia-* wheels), which a CPU-only machine
@@ -18,8 +24,14 @@ package (whose ``torch>=2.2`` is then already satisfied):
    index instead (``MINIKV_TORCH_INDEX``, default the PyTorch CPU wheel index).
    Machines whose pip already offers a ``+cpu`` wheel (via find-links) use it as is.
 
+torch's version is the ``torch==`` pin in ``constraints.txt``, unless
+``MINIKV_TORCH_SPEC`` says otherwise; the other packages are constrained without that line,
+so a system torch or another torch spec never makes pip swap torch.
+``--upgrade-deps`` keeps torch at its pin too: ``MINIKV_TORCH_SPEC=torch make upgrade-deps``
+moves it to the newest release.
+
 Environment knobs: ``PYTHON`` (interpreter for the venv), ``MINIKV_TORCH``
-(``auto`` | ``system``), ``MINIKV_TORCH_SPEC`` (default ``torch==2.13.0``),
+(``auto`` | ``system``), ``MINIKV_TORCH_SPEC`` (default: the pin in ``constraints.txt``),
 ``MINIKV_TORCH_INDEX``.
 """
 from __future__ import annotations
@@ -39,6 +51,8 @@ ROOT = Path(__file__).resolve().parents[1]
 VENV = ROOT / ".venv"
 PY = VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
 STAMP = VENV / ".minikv-setup"
+CONSTRAINTS = ROOT / "constraints.txt"
+EXTRAS = "serve,audit,convert,course,test"   # all of pyproject's extras: make course/test need them
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
 
@@ -55,11 +69,12 @@ def run(*cmd: str, **kw) -> subprocess.CompletedProcess:
 
 
 def setup_key() -> str:
-    """What the venv depends on. The editable install maps each *top-level* package
-    (minikv, exercises, solutions) found at install time, so a newly added one must
-    trigger a re-install too, or notebooks running in course/ could not import it."""
+    """What the venv depends on: pyproject, the pins, this script. The editable install maps
+    each *top-level* package (minikv, exercises, solutions) found at install time, so a newly
+    added one must trigger a re-install too, or notebooks running in course/ could not
+    import it."""
     h = hashlib.sha256()
-    for f in (ROOT / "pyproject.toml", Path(__file__)):
+    for f in (ROOT / "pyproject.toml", CONSTRAINTS, Path(__file__)):
         h.update(f.read_bytes())
     h.update(os.environ.get("MINIKV_TORCH", "auto").encode())
     packages = sorted(p.parent.name for p in ROOT.glob("*/__init__.py"))
@@ -76,32 +91,46 @@ def has_nvidia() -> bool:
     return Path("/proc/driver/nvidia").exists() or shutil.which("nvidia-smi") is not None
 
 
-def create_venv(base: str) -> None:
+def is_torch(line: str) -> bool:
+    return line.split("==")[0].strip().lower() == "torch"
+
+
+def torch_pin() -> str:
+    """``torch==X`` from constraints.txt: the torch CI uses."""
+    lines = CONSTRAINTS.read_text().splitlines() if CONSTRAINTS.exists() else []
+    pins = [ln.strip() for ln in lines if is_torch(ln)]
+    return pins[0] if pins else "torch"
+
+
+def create_venv(base: str, venv: Path, system_torch: bool = True) -> Path:
     mode = os.environ.get("MINIKV_TORCH", "auto")
-    system = mode == "system" or (mode == "auto" and imports_torch(base))
+    system = system_torch and (mode == "system" or (mode == "auto" and imports_torch(base)))
     flags = ["--system-site-packages"] if system else []
     if system:
         say("the base python already has torch: the venv will see it "
             "(--system-site-packages)")
     try:
-        run(base, "-m", "venv", *flags, str(VENV))
+        run(base, "-m", "venv", *flags, str(venv))
     except subprocess.CalledProcessError:
         sys.exit("[setup] could not create .venv; on Debian/Ubuntu: "
                  "apt-get install python3-venv")
-    run(str(PY), "-m", "pip", "install", "--quiet", "--upgrade", "pip")
+    py = venv / PY.relative_to(VENV)
+    run(str(py), "-m", "pip", "install", "--quiet", "--upgrade", "pip")
+    return py
 
 
-def torch_install_args() -> list[str]:
-    """pip arguments for torch on this machine (see the module docstring, step 2)."""
-    spec = os.environ.get("MINIKV_TORCH_SPEC", "torch==2.13.0")
+def torch_install_args(py: Path, gpu: bool = True) -> list[str]:
+    """pip arguments for torch on this machine (see the module docstring, step 2).
+    ``gpu=False``: a CPU build even on a GPU box (what ``--upgrade-deps`` freezes)."""
+    spec = os.environ.get("MINIKV_TORCH_SPEC") or torch_pin()
     if os.environ.get("MINIKV_TORCH_INDEX"):
         return [spec, "--index-url", os.environ["MINIKV_TORCH_INDEX"]]
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64") \
-            or has_nvidia():
+            or (gpu and has_nvidia()):
         return [spec]   # macOS/Windows/ARM wheels on PyPI are CPU builds; GPU box: CUDA
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "report.json"
-        subprocess.run([str(PY), "-m", "pip", "install", "--dry-run", "--no-deps",
+        subprocess.run([str(py), "-m", "pip", "install", "--dry-run", "--no-deps",
                         "--quiet", "--report", str(report), spec],
                        check=True, stdout=subprocess.DEVNULL)
         picked = json.loads(report.read_text())["install"][0]["metadata"]["version"]
@@ -113,26 +142,64 @@ def torch_install_args() -> list[str]:
     return [spec, "--index-url", CPU_INDEX]
 
 
+def check_python(base: str) -> None:
+    version = subprocess.run([base, "-c", "import sys; print(sys.version_info >= (3, 11))"],
+                             capture_output=True, text=True).stdout.strip()
+    if version != "True":
+        sys.exit(f"[setup] {base} is not Python >= 3.11; set PYTHON=/path/to/python3.x")
+
+
 def main() -> None:
     base = os.environ.get("PYTHON") or sys.executable
+    if not CONSTRAINTS.exists():
+        sys.exit("[setup] constraints.txt is missing; `make upgrade-deps` writes it")
     key = setup_key()
     if PY.exists() and STAMP.exists() and STAMP.read_text().strip() == key:
         return                                           # the fast path: nothing to do
     started = time.time()
-    version = subprocess.run([base, "-c", "import sys; print(sys.version_info >= (3, 10))"],
-                             capture_output=True, text=True).stdout.strip()
-    if version != "True":
-        sys.exit(f"[setup] {base} is not Python >= 3.10; set PYTHON=/path/to/python3.x")
+    check_python(base)
     if not PY.exists():
-        create_venv(base)
+        create_venv(base, VENV)
     if imports_torch(PY):
         say("torch already importable in .venv")
-    else:
-        run(str(PY), "-m", "pip", "install", *torch_install_args())
-    run(str(PY), "-m", "pip", "install", "-e", f"{ROOT}[course,test]")
+    else:   # --no-deps: torch's own dependencies come with the pins below
+        run(str(PY), "-m", "pip", "install", "--no-deps", *torch_install_args(PY))
+    # The pins without torch's: torch is whatever the step above left (pin, spec or system).
+    pins = [ln for ln in CONSTRAINTS.read_text().splitlines() if not is_torch(ln)]
+    with tempfile.TemporaryDirectory() as tmp:
+        constraints = Path(tmp) / "constraints.txt"
+        constraints.write_text("\n".join(pins) + "\n")
+        run(str(PY), "-m", "pip", "install", "-c", str(constraints), "-e", f"{ROOT}[{EXTRAS}]")
     STAMP.write_text(key + "\n")
     say(f".venv ready in {time.time() - started:.0f} s")
 
 
+def upgrade_deps() -> None:
+    """Rewrite constraints.txt from a fresh venv installed without it (newest releases)."""
+    base = os.environ.get("PYTHON") or sys.executable
+    check_python(base)
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix="minikv-upgrade-") as tmp:
+        py = create_venv(base, Path(tmp) / "venv", system_torch=False)
+        run(str(py), "-m", "pip", "install", *torch_install_args(py, gpu=False))
+        run(str(py), "-m", "pip", "install", "-e", f"{ROOT}[{EXTRAS}]")
+        frozen = subprocess.run([str(py), "-m", "pip", "freeze", "--exclude-editable"],
+                                check=True, capture_output=True, text=True).stdout
+        pyver = subprocess.run([str(py), "-c", "import platform; print(platform.python_version())"],
+                               check=True, capture_output=True, text=True).stdout.strip()
+    # "torch==2.13.0+cpu" -> "torch==2.13.0": the pin must match the CUDA build too.
+    pins = sorted({ln.split("+")[0].strip() for ln in frozen.splitlines()
+                   if "==" in ln and not ln.lower().startswith("minikv==")}, key=str.lower)
+    for ln in frozen.splitlines():
+        if ln.strip() and "==" not in ln:
+            say(f"not pinned (not a plain release): {ln}")
+    CONSTRAINTS.write_text(
+        "# Every package version CI uses; scripts/bootstrap.py installs with -c constraints.txt.\n"
+        "# Generated by `make upgrade-deps` (pip freeze of a fresh venv, Python "
+        f"{pyver}); do not edit by hand.\n" + "\n".join(pins) + "\n")
+    say(f"wrote {CONSTRAINTS.name}: {len(pins)} pins in {time.time() - started:.0f} s; "
+        "review `git diff constraints.txt`, then `make test`")
+
+
 if __name__ == "__main__":
-    main()
+    upgrade_deps() if sys.argv[1:] == ["--upgrade-deps"] else main()

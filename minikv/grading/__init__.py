@@ -6,21 +6,8 @@ minikv engine where the exercise plugs into one of the engine's seams -- and pri
 ``True``/``False`` and never raises, so lesson cells can call it freely; ``quiet=True``
 suppresses the printing.
 
-=====================================  ====  ============================================
-grader                                 ex    what is checked
-=====================================  ====  ============================================
-``check_encode_fields``                1a    typed, length-prefixed, injective encoding
-``check_chained_hash``                 1b    chained, typed, domain-separated block hash
-``check_tenant_key_derivation``        2a    HMAC-derived, secret-dependent tenant keys
-``check_tenant_keyed_hasher``          2b    keyed hasher, key in every block
-``check_block_keys``                   2c    tenant key reaches every private block
-``check_zero_blocks``                  3a    exactly these blocks, all layers, K and V
-``check_scrubber``                     3b    no stale data handed out, no live data lost
-``check_audit_verdict``                4a    fail / inconclusive / pass
-``check_isolation_audit``              4b    both directions, concurrent, vs ground truth
-``check_ks_test``                      5a    one-sided KS equal to minikv.audit.stats
-``check_roc_auc``                      5b    AUC equal to minikv.audit.stats
-=====================================  ====  ============================================
+``minikv.grading.runner.EXERCISES`` lists the graders, one per exercise id (1a ... 5b), with
+what each checks; ``make grade`` prints that table.
 
 One module per exercise: ``hashing`` (1, and the engine run that every hashing grader ends
 with), ``tenant_keys`` (2), ``scrubbing`` (3), ``isolation`` (4), ``stats`` (5); ``engines``

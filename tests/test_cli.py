@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from minikv.cli import build_parser, main
-from minikv.serve.cli import engine_kwargs_from_args
+from minikv.engine.args import engine_kwargs_from_args
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -239,9 +239,3 @@ class AuditTrail:
         if self._writer is not None:
             release_shared(self._writer)
             self._writer = None
-
-
-def read_trail(path: str | Path) -> list[dict]:
-    """Load a trail (one dict per event); see ``minikv.audit.detector.load_trail``."""
-    from .detector import load_trail
-    return load_trail(path)

@@ -1,0 +1,91 @@
+"""The engine's settings as command-line flags, shared by ``minikv generate``, ``serve`` and ``audit isolation``.
+
+Flag names are the engine's setting names (``EngineConfig``) with dashes: ``--cache-isolation``
+sets ``cache_isolation``, and so on, so a setting means the same thing in Python, on the command
+line and in the docs.  A flag left out keeps the engine's default (secure) value.  argparse only:
+the engine itself is imported when a command runs.
+"""
+from __future__ import annotations
+
+import argparse
+
+CACHE_ISOLATION = ("shared", "tenant", "request")
+HASH_ALGOS = ("sha256", "hmac-sha256", "blake2b-keyed", "builtin", "trunc32", "poly")
+SCRUB = ("none", "on_free", "on_alloc")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_VERIFY = {"true": True, "false": False, "tokens": "tokens"}
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected an integer > 0, got {value}")
+    return value
+
+
+def _quota(text: str):
+    return "unlimited" if text == "unlimited" else positive_int(text)
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = True) -> None:
+    """Engine core + isolation policy flags (all default to the engine's own defaults)."""
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", required=model_required,
+                   help="model name (smollm2-135m-instruct, tiny-random) or checkpoint directory")
+    g.add_argument("--device", help="cpu, cuda (default: cuda when available)")
+    g.add_argument("--dtype", choices=DTYPES, help="weights/KV dtype (default: fp32 on CPU, bf16 on CUDA)")
+    g.add_argument("--seed", type=int, help="engine RNG seed for requests without their own")
+    g.add_argument("--block-size", type=positive_int, help="tokens per KV block (default 16)")
+    g.add_argument("--num-blocks", type=positive_int, help="KV blocks in the pool (default: sized from memory)")
+    g.add_argument("--max-num-seqs", type=positive_int, help="most sequences in one batch (default 64)")
+    g.add_argument("--max-num-batched-tokens", type=positive_int, help="prefill token budget per step")
+    g.add_argument("--max-model-len", type=positive_int, help="longest sequence (default: the model's)")
+    g.add_argument("--kv-cache-memory-gb", type=float, help="KV pool budget when --num-blocks is not given")
+    s = p.add_argument_group("cache policy")
+    s.add_argument("--enable-prefix-caching", action="store_true", default=None,
+                   help="reuse the KV of identical prefix blocks (within the isolation domain)")
+    s.add_argument("--cache-isolation", choices=CACHE_ISOLATION,
+                   help="tenant (default): hits only within a tenant; request: no reuse; shared: UNSAFE")
+    s.add_argument("--hash-algo", choices=HASH_ALGOS, help="block hash (builtin, trunc32, poly are UNSAFE)")
+    s.add_argument("--chain-hashes", action=argparse.BooleanOptionalAction, default=None,
+                   help="block keys cover their parent's key (--no-chain-hashes is UNSAFE)")
+    s.add_argument("--verify-hits", choices=tuple(_VERIFY), help="check a hit's tokens+parent (true, default), "
+                   "tokens only (UNSAFE) or nothing (false, UNSAFE)")
+    s.add_argument("--scrub", choices=SCRUB, help="zero KV blocks on_alloc (default), on_free, or none (UNSAFE)")
+    s.add_argument("--shared-prefix", action="append", default=None, metavar="TEXT",
+                   help="operator-declared public prefix every tenant may share (repeatable)")
+    s.add_argument("--max-cached-blocks-per-tenant", type=_quota,
+                   help="quota of cached blocks per tenant (prime+probe defence; default num_blocks // 8; "
+                        "'unlimited' is UNSAFE)")
+    s.add_argument("--audit-log", metavar="PATH", help="write the operator's JSONL audit trail here")
+    s.add_argument("--audit-level", choices=("request", "block"),
+                   help="request (default): one summary line per request; block: one line per block event")
+    s.add_argument("--engine-secret-file", metavar="PATH",
+                   help="file holding the engine secret (>= 16 bytes); default: random per start")
+
+
+_FIELDS = ("model", "device", "dtype", "seed", "block_size", "num_blocks", "max_num_seqs",
+           "max_num_batched_tokens", "max_model_len", "kv_cache_memory_gb", "enable_prefix_caching",
+           "cache_isolation", "hash_algo", "chain_hashes", "scrub", "max_cached_blocks_per_tenant",
+           "audit_log", "audit_level")
+
+
+def read_engine_secret(path: str) -> bytes:
+    """Raw bytes of the secret file, surrounding whitespace removed.  Never printed."""
+    with open(path, "rb") as fh:
+        return fh.read().strip()
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
+    """``EngineConfig`` keyword arguments for every flag that was given."""
+    kw = {f: getattr(args, f) for f in _FIELDS if getattr(args, f, None) is not None}
+    if getattr(args, "verify_hits", None) is not None:
+        kw["verify_hits"] = _VERIFY[args.verify_hits]
+    if getattr(args, "shared_prefix", None):
+        kw["shared_prefixes"] = tuple(args.shared_prefix)
+    if getattr(args, "engine_secret_file", None):
+        kw["engine_secret"] = read_engine_secret(args.engine_secret_file)
+    return kw

@@ -1,0 +1,131 @@
+"""Dependencies point downward: an import-graph check over every module of ``minikv``.
+
+Every module is parsed with :mod:`ast` (nothing is imported), and every ``import`` counts,
+including those inside functions: a lazy import is still a dependency, only a hidden one.  Each
+module belongs to a *unit* (the longest matching prefix in ``UNITS``) and each unit to a layer.
+A module may import its own unit, or a unit of a strictly lower layer; units of one layer are
+peers and never import each other.  docs/ARCHITECTURE.md ("Layers") explains the map.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "minikv"
+
+#: lowest layer first; the units of one layer are peers
+LAYERS = (
+    ("minikv._lazy", "minikv.security"),            # primitives: no minikv imports but these
+    ("minikv.engine", "minikv.models"),             # the engine; where checkpoints come from
+    ("minikv.audit.trail",),                        # the recorder the engine is handed
+    ("minikv.llm",),                                # the front door: composes the three above
+    ("minikv.audit", "minikv.serve", "minikv.attacks"),  # tools that drive or read an engine
+    ("minikv.viz", "minikv.edge", "minikv.grading"),     # built on those tools
+    ("minikv", "minikv.cli", "minikv.__main__", "minikv.bench", "minikv.bench_fairness"),  # entry points
+)
+ENTRY_POINTS = LAYERS[-1]
+#: modules that belong to a unit other than their own name: the trail's file writer is part of
+#: the recorder, and the entry points are one unit (``minikv`` alone is the package's __init__)
+UNITS = ({unit: unit for layer in LAYERS for unit in layer} | {"minikv.audit.rotation": "minikv.audit.trail"}
+         | {m: "minikv" for m in ENTRY_POINTS})
+LAYER = {unit: i for i, layer in enumerate(LAYERS) for unit in layer}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def unit_of(module: str) -> str | None:
+    """The unit of ``module``: its longest prefix listed in ``UNITS`` (None: in no layer)."""
+    parts = module.split(".")
+    for n in range(len(parts), 1, -1):
+        unit = UNITS.get(".".join(parts[:n]))
+        if unit is not None:
+            return unit
+    return UNITS["minikv"] if module == "minikv" else None
+
+
+def imports(source: str, module: str, is_package: bool, known: set[str]):
+    """``(line, imported minikv module)`` for every import in ``source``, at any depth."""
+    package = module if is_package else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "minikv":
+                    yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "minikv":
+                continue
+            for alias in node.names:  # `from minikv.audit import trail` imports minikv.audit.trail
+                sub = f"{target}.{alias.name}"
+                yield node.lineno, sub if sub in known else target
+        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module"
+              and node.args and isinstance(node.args[0], ast.Constant)
+              and str(node.args[0].value).startswith("minikv")):
+            yield node.lineno, node.args[0].value
+
+
+def violations(sources: dict[str, tuple[str, bool]]) -> list[str]:
+    """Every upward or sideways import in ``{module: (source, is_package)}``, as readable lines."""
+    known = set(sources)
+    found = []
+    for module, (source, is_package) in sorted(sources.items()):
+        here = unit_of(module)
+        for line, target in imports(source, module, is_package, known):
+            there = unit_of(target)
+            if there is None or here is None or there == here:
+                continue
+            if LAYER[there] > LAYER[here]:
+                found.append(f"{module} line {line} imports {target}: {there} (layer {LAYER[there]}) "
+                             f"is above {here} (layer {LAYER[here]})")
+            elif LAYER[there] == LAYER[here]:
+                found.append(f"{module} line {line} imports {target}: {there} and {here} are peers "
+                             f"(layer {LAYER[here]}) and never import each other")
+    return found
+
+
+def package_sources() -> dict[str, tuple[str, bool]]:
+    return {module_name(p): (p.read_text(encoding="utf-8"), p.name == "__init__.py")
+            for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def test_every_module_has_a_layer():
+    missing = [m for m in package_sources() if unit_of(m) is None]
+    assert not missing, f"modules in no layer (add their package to LAYERS): {missing}"
+
+
+def test_dependencies_point_downward():
+    found = violations(package_sources())
+    assert not found, "imports against the layering:\n" + "\n".join(found)
+
+
+def test_the_engine_imports_neither_audit_nor_serve_nor_the_model_hub():
+    engine = {m: s for m, s in package_sources().items() if unit_of(m) == "minikv.engine"}
+    known = set(package_sources())
+    bad = [f"{m} line {line} imports {t}" for m, (src, pkg) in engine.items()
+           for line, t in imports(src, m, pkg, known)
+           if unit_of(t) in ("minikv.audit", "minikv.audit.trail", "minikv.serve", "minikv.models")]
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("module,source,culprit", [
+    ("minikv.engine.engine", "def f():\n    from ..audit.trail import AuditTrail\n", "line 2 imports minikv.audit.trail"),
+    ("minikv.engine.engine", "from ..models.hub import resolve_model\n", "line 1 imports minikv.models.hub"),
+    ("minikv.audit.isolation_cli", "from ..serve.cli import add_engine_arguments\n", "line 1 imports minikv.serve.cli"),
+    ("minikv.security.hashing", "import minikv.engine.block_manager\n", "line 1 imports minikv.engine.block_manager"),
+    ("minikv.audit.trail", "from ..llm import LLM\n", "line 1 imports minikv.llm"),
+])
+def test_an_upward_or_sideways_import_is_named(module, source, culprit):
+    sources = package_sources()
+    sources[module] = (source, False)
+    found = violations(sources)
+    assert any(f.startswith(f"{module} {culprit}:") for f in found), found

@@ -25,8 +25,8 @@ import hmac
 # The reference typed encoding (lesson 07 explains it; exercise 1a is the same idea).  You may
 # use your own ``exercises.ex1_chained_hash.encode_fields`` instead once it passes its check.
 from minikv.security.encoding import encode_fields
-# The engine's own labels and secret length, so your keys are the engine's keys, byte for byte
-# (minikv.security.keys.derive_tenant_key and the hmac-sha256 hasher are these solutions).
+# The engine's own labels and minimum secret length: with them, a correct solution gives exactly
+# the keys the engine derives (the grader's engine runs compare your cache with the engine's).
 from minikv.security.hashing import BLOCK_LABEL
 from minikv.security.keys import MIN_SECRET_BYTES, SHARED_LABEL, TENANT_LABEL
 

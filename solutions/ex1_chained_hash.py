@@ -20,7 +20,6 @@ import struct
 
 # The engine's own domain-separation label ("minikv/block-key/v1"): block keys can never equal a
 # SHA-256 computed for another purpose (a tenant key, an audit fingerprint) over the same fields.
-# minikv's sha256 hasher is this very construction over minikv.security.encoding.
 from minikv.security.hashing import BLOCK_DOMAIN
 
 # One possible wire format (you may design your own): tag (1 byte) || length (8 bytes) || payload.

@@ -116,7 +116,7 @@ def test_self_priming_and_forgetting():
     assert po.probe_cached_tokens(llm, prefix + secret + tail, ATTACKER) == end // 16 * 16
     po.forget_tenant_blocks(llm, ATTACKER)
     assert all(llm.engine.block_manager.blocks[b].writer_tenant != ATTACKER
-               for b in llm.engine.block_manager.cached_free)
+               for b in llm.engine.block_manager.cached)
     llm.engine.check_invariants()
 
 
@@ -129,7 +129,7 @@ def test_timing_rounds_shape_and_hygiene():
     ttft = po.timing_rounds(llm, probes, rounds=3, attacker_tenant=ATTACKER, background_max=5)
     assert ttft.shape == (3, 2) and np.isfinite(ttft).all() and (ttft > 0).all()
     bm = llm.engine.block_manager
-    assert not any(bm.blocks[b].writer_tenant in (ATTACKER, "bystander") for b in bm.cached_free)
+    assert not any(bm.blocks[b].writer_tenant in (ATTACKER, "bystander") for b in bm.cached)
     assert po.probe_cached_tokens(llm, probes[0], ATTACKER) > 32  # the victim's blocks survived
     llm.engine.check_invariants()
 

@@ -22,7 +22,7 @@ def _serving_still_works(llm, reference):
     assert out.outputs[0].token_ids == reference
     llm.engine.check_invariants()
     assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.block_manager.num_free_blocks == llm.engine.num_blocks
+    assert llm.engine.block_manager.num_available == llm.engine.num_blocks
 
 
 @pytest.mark.parametrize("prompt,params,tenant,exc,match", [
@@ -108,7 +108,7 @@ def test_duplicate_request_id_and_abort_frees_blocks(llm):
     eng.abort_request("dup")
     assert not eng.has_unfinished_requests()
     eng.check_invariants()
-    assert eng.block_manager.num_free_blocks == eng.num_blocks
+    assert eng.block_manager.num_available == eng.num_blocks
 
 
 def test_stop_strings_seed_and_eos():

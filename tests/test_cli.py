@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from minikv.cli import build_parser, main
+from minikv.engine.lifecycle import VerifyHits
 from minikv.engine.args import engine_kwargs_from_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,7 +68,7 @@ def test_policy_flags_map_to_engine_settings(tmp_path):
     assert kw == dict(model="tiny-random", device="cpu", dtype="float32", seed=3, block_size=8, num_blocks=64,
                       max_num_seqs=4, enable_prefix_caching=True, cache_isolation="shared", hash_algo="trunc32",
                       chain_hashes=False, scrub="none", max_cached_blocks_per_tenant=4, audit_log="trail.jsonl",
-                      verify_hits="tokens", shared_prefixes=("You are helpful.", "Be brief."),
+                      verify_hits=VerifyHits.TOKENS, shared_prefixes=("You are helpful.", "Be brief."),
                       engine_secret=b"0123456789abcdef0123456789abcdef")
     assert args.report_cached_tokens and args.host == "127.0.0.1"
     # nothing given -> only the model: the engine's (secure) defaults apply

@@ -28,7 +28,7 @@ def test_reset_prefix_cache_all_or_one_tenant():
     llm = LLM("tiny-random", device="cpu", block_size=4, enable_prefix_caching=True)
     llm.generate(TEXT, P, tenant="a")
     llm.generate(TEXT, P, tenant="b")
-    n_b = sum(1 for b in llm.engine.block_manager.cached_free
+    n_b = sum(1 for b in llm.engine.block_manager.cached
               if llm.engine.block_manager.blocks[b].writer_tenant == "b")
     assert llm.engine.reset_prefix_cache("b") == n_b > 0
     assert llm.generate(TEXT, P, tenant="b")[0].num_cached_tokens == 0
@@ -52,7 +52,7 @@ def test_snapshot_tracks_writers_holders_and_summary():
     while eng.has_unfinished_requests():
         eng.step()
     after = eng.snapshot()
-    assert after.num_cached_free > 0 and after.num_free + after.num_cached_free == 32
+    assert after.num_cached > 0 and after.num_free + after.num_cached == 32
 
 
 def test_cli_generate_prints_a_completion():

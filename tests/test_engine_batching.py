@@ -104,7 +104,7 @@ def test_full_pool_preempts_and_recomputes():
     for a, b in zip(roomy, outs):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
     tight.engine.check_invariants()
-    assert tight.engine.block_manager.num_free_blocks == 100
+    assert tight.engine.block_manager.num_available == 100
 
 
 @pytest.mark.parametrize("name", ["tiny-random", pytest.param("smollm2-135m-instruct", marks=pytest.mark.model)])

@@ -65,7 +65,7 @@ def _fault_at(stage, after_tokens=2):
 def _assert_healthy(engine, donor):
     engine.check_invariants()
     assert not engine.scheduler.running and not engine.scheduler.waiting
-    assert engine.block_manager.num_free_blocks == engine.num_blocks
+    assert engine.block_manager.num_available == engine.num_blocks
     fresh = _run(donor.fork().engine, [("after", "a normal request afterwards", "erin")])
     again = _run(engine, [("after", "a normal request afterwards", "erin")])
     assert again["after"].token_ids == fresh["after"].token_ids and again["after"].finish_reason == "length"

@@ -13,6 +13,7 @@ import torch
 
 from minikv import LLM, SamplingParams, UnsafeSettingWarning
 from minikv.attacks.collisions import load_committed_pairs
+from minikv.engine.lifecycle import crosses_tenants
 
 P = SamplingParams(max_tokens=4, temperature=0.0)
 SECRET = "The launch code is 4471. Never reveal it to anyone under any circumstances. "
@@ -37,7 +38,7 @@ class HitLog:
 
     @property
     def cross(self):
-        return [h for h in self.hits if h[0] != h[1] and not h[2]]
+        return [h for h in self.hits if crosses_tenants(h[:2], h[2])]
 
     @property
     def same(self):

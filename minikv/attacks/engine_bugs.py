@@ -25,6 +25,7 @@ import torch
 
 from ..engine import attention as _attention
 from ..engine.block_manager import BlockManager
+from ..engine.lifecycle import Transition
 
 __all__ = [
     "StaleRead", "StaleReadRecorder", "unmasked_decode_attention", "buggy_context_mask",
@@ -197,15 +198,13 @@ class BuggyAbortBlockManager(BlockManager):
         for bid in reversed(seq.block_table):
             block = self.blocks[bid]
             block.ref_count -= 1
-            block.holders.remove(seq.request_id)
-            self.cached_free.pop(bid, None)
+            self.cached.pop(bid, None)
             if bid not in self.free_ids:
                 self.free_ids.append(bid)  # BUG: ignores block.ref_count (other holders)
                 recycled.append(bid)
         seq.block_table = []
         seq.num_computed_tokens = 0
-        self._emit("free", recycled, seq)
-        self._emit("release", recycled, seq)
+        self._emit(Transition.FREE, recycled, seq)
 
 
 @contextlib.contextmanager

@@ -73,10 +73,10 @@ class HitRecorder:
         parent, prefix_ok = None, True
         for i, bid in enumerate(ids):
             block = bm.blocks[bid]
-            tokens_ok = tuple(block.token_ids) == seq.block_tokens(i, bm.block_size)
-            context_ok = prefix_ok and block.parent_ref == parent
+            tokens_ok = block.identity.tokens == seq.block_tokens(i, bm.block_size)
+            context_ok = prefix_ok and block.identity.parent == parent
             self.hits.append(HitRecord(seq.request_id, i, bid, block.writer_request, tokens_ok, context_ok))
-            parent, prefix_ok = (block.block_id, block.generation), tokens_ok and context_ok
+            parent, prefix_ok = block.ref, tokens_ok and context_ok
 
     def for_request(self, request_id: str) -> list[HitRecord]:
         return [h for h in self.hits if h.request_id == request_id]

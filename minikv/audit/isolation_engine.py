@@ -22,6 +22,7 @@ import time
 from collections import defaultdict
 from typing import Mapping, Sequence
 
+from ..engine.lifecycle import crosses_tenants
 from .isolation import AuditRequest, IsolationReport, _tally, build_workload
 
 
@@ -65,7 +66,8 @@ def audit_engine(llm_or_engine_kwargs, tenants: Sequence[str] = ("alice", "bob",
         with lock:
             for bid in block_ids:
                 b = bm.blocks[bid]
-                kind = "public" if b.public else ("same" if b.writer_tenant == seq.tenant else "cross")
+                cross = crosses_tenants((seq.tenant, b.writer_tenant), b.public)
+                kind = "cross" if cross else ("public" if b.public else "same")
                 hits[seq.request_id][kind] += bs
                 if kind == "cross":
                     hits[seq.request_id].setdefault("owners", set()).add(b.writer_tenant)  # type: ignore[arg-type]
@@ -76,7 +78,7 @@ def audit_engine(llm_or_engine_kwargs, tenants: Sequence[str] = ("alice", "bob",
                 continue
             for bid in seq.block_table:
                 b = bm.blocks[bid]
-                if not b.public and b.writer_tenant != seq.tenant:
+                if crosses_tenants((seq.tenant, b.writer_tenant), b.public):
                     foreign.add((seq.request_id, bid))
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

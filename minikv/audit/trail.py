@@ -20,6 +20,10 @@ Two levels of detail, because a trail is only useful if an operator can afford t
 * ``"block"``: one line per block event (``request``, ``allocate``, ``hit``, ``store``,
   ``evict``, ``scrub``, ``free``, ``finish``), for tracing one request through the cache.
 
+Block records are named by the engine's lifecycle table (``minikv.engine.lifecycle``): each
+transition has one record kind, and a block whose last holder lets go is a ``free`` record
+whether it stays cached or goes to the free list.
+
 Every record carries ``"v": 2`` and ``"engine"``, a tag of the engine that wrote it: forks of an
 engine (``LLMEngine.fork``) get ``<parent tag>.<n>`` and may share the parent's file, so
 ``(engine, request_id)`` names one request even when two forks both number theirs from 0.
@@ -38,10 +42,11 @@ from array import array
 from collections import Counter
 from pathlib import Path
 
+from ..engine.config import AUDIT_LEVELS as LEVELS
+from ..engine.lifecycle import crosses_tenants
 from .rotation import ROTATION_DEFAULTS, open_shared, release_shared
 
 SCHEMA_VERSION = 2
-LEVELS = ("request", "block")  # minikv.engine.config.AUDIT_LEVELS repeats this (no import there)
 
 
 class _Open:
@@ -161,9 +166,10 @@ class AuditTrail:
                     num_prompt_tokens=seq.num_prompt_tokens, prefix_fps=fps, tail_fp=tail)
 
     def block_event(self, event: str, block_ids: list[int], seq, blocks) -> None:
-        """``event`` happened to ``block_ids`` on behalf of ``seq`` (None: of no request);
-        ``blocks`` is the block manager's block list.  For ``evict``, ``seq`` is the request
-        whose allocation needed the room, and ``owner_tenant`` is who wrote the evicted block."""
+        """``event`` (the record kind of a lifecycle transition) happened to ``block_ids`` on
+        behalf of ``seq`` (None: of no request); ``blocks`` is the block manager's block list.
+        For ``evict``, ``seq`` is the request whose allocation needed the room, and
+        ``owner_tenant`` is who wrote the evicted block."""
         acc = self._tracked(seq)
         rows = []
         for bid in block_ids:
@@ -180,7 +186,7 @@ class AuditTrail:
             if event == "hit":
                 acc.counts["hit"] += 1
                 acc.hit_fps.append(fp)
-                if not b.public and b.writer_tenant != seq.tenant:
+                if crosses_tenants((seq.tenant, b.writer_tenant), b.public):
                     acc.cross[b.writer_tenant] += 1
             elif event == "store":
                 acc.counts["stored"] += 1

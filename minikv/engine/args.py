@@ -13,7 +13,7 @@ CACHE_ISOLATION = ("shared", "tenant", "request")
 HASH_ALGOS = ("sha256", "hmac-sha256", "blake2b-keyed", "builtin", "trunc32", "poly")
 SCRUB = ("none", "on_free", "on_alloc")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-_VERIFY = {"true": True, "false": False, "tokens": "tokens"}
+_VERIFY = {"true": "IDENTITY", "false": "NOTHING", "tokens": "TOKENS"}  # --verify-hits -> VerifyHits
 
 
 def positive_int(text: str) -> int:
@@ -83,7 +83,8 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
     """``EngineConfig`` keyword arguments for every flag that was given."""
     kw = {f: getattr(args, f) for f in _FIELDS if getattr(args, f, None) is not None}
     if getattr(args, "verify_hits", None) is not None:
-        kw["verify_hits"] = _VERIFY[args.verify_hits]
+        from ..engine.lifecycle import VerifyHits
+        kw["verify_hits"] = VerifyHits[_VERIFY[args.verify_hits]]
     if getattr(args, "shared_prefix", None):
         kw["shared_prefixes"] = tuple(args.shared_prefix)
     if getattr(args, "engine_secret_file", None):

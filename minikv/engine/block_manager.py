@@ -4,12 +4,13 @@ It is torch-free on purpose.  Everything interesting about KV-cache *security* i
 here, by bookkeeping alone: who may hit which cached block, when a freed block is reused, and
 when its old contents must be scrubbed.  The tensors live in :class:`~minikv.engine.kv_pool.KVPool`.
 
-Every physical block is in exactly one of three states:
+Every physical block is in exactly one of the states of :mod:`~minikv.engine.lifecycle`:
 
 * **used**   -- ``ref_count > 0``: in the block table of one or more running sequences;
 * **cached** -- ``ref_count == 0`` but registered in ``hash_table``: its K/V are kept so that a
-  later request with the same prefix (in the same isolation domain) can *hit* it;
-* **free**   -- ``ref_count == 0`` and unregistered: on the free list, contents meaningless.
+  later request with the same prefix (in the same isolation domain) can *hit* it; these are the
+  *evictable* blocks, in LRU order in ``cached``;
+* **free**   -- ``ref_count == 0`` and unregistered: on ``free_ids``, contents meaningless.
 
 Cached blocks are evicted lazily, least recently used first, only when a request needs a block
 and the free list is empty (vLLM and SGLang do the same: an idle cache is free capacity).
@@ -18,20 +19,20 @@ With a per-tenant quota (``max_cached_per_tenant``), a tenant keeps at most that
 blocks (its oldest go first when it stores more), and a tenant that needs a block recycles its
 own cached blocks before the LRU takes anyone else's: prime-and-probe (lesson 10).
 
-Listeners receive ``(event, block_ids, seq)`` for ``allocate, hit, store, evict, free,
-release``.  The engine turns ``evict``/``release`` (a block leaves for the free list) and
-``allocate`` (a block is handed out without a hit) into scrub calls and audit records.  An
-``evict`` names the sequence that caused it (the one allocating, or the one whose tenant went
-over quota); only an operator's ``evict_cached`` passes None.
+Each state change is announced to ``listeners`` as ``(transition, block_ids, seq)``, with a
+:class:`~minikv.engine.lifecycle.Transition`; the engine's listener turns it into a scrub and an
+audit record (``LLMEngine._on_block_event``).  An ``evict`` names the sequence that caused it
+(the one allocating, or the one whose tenant went over quota); only an operator's
+``evict_cached`` passes None.
 """
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
+from .lifecycle import BlockIdentity, Transition, VerifyHits
 from .sequence import Sequence
-from .snapshot import BlockView, PoolSnapshot
 
 
 ALL_TENANTS = object()  # "no tenant filter" (None is a real tenant: the anonymous one)
@@ -41,18 +42,18 @@ ALL_TENANTS = object()  # "no tenant filter" (None is a real tenant: the anonymo
 class Block:
     block_id: int
     ref_count: int = 0
-    hash: bytes | None = None
-    # What a hit is verified against (verify_hits): the block's tokens, its parent block's
-    # identity (id + generation, so a recycled parent no longer matches), and its domain key.
-    token_ids: tuple[int, ...] = ()
-    parent_ref: tuple[int, int] | None = None
-    domain: bytes | None = None
+    hash: bytes | None = None  # set while registered (store .. evict)
+    identity: BlockIdentity | None = None  # what a hit on it must match; set with ``hash``
     generation: int = 0  # bumped each time the block is handed out fresh
     num_tokens: int = 0
     writer_request: str | None = None
     writer_tenant: str | None = None
     public: bool = False
-    holders: list[str] = field(default_factory=list)
+
+    @property
+    def ref(self) -> tuple[int, int]:
+        """This block as a parent: a recycled block (new generation) is a different parent."""
+        return (self.block_id, self.generation)
 
 
 class BlockManager:
@@ -60,16 +61,16 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, *, hasher: Callable | None = None,
                  enable_caching: bool = False, chain_hashes: bool = True,
-                 verify_hits: bool | str = True, max_cached_per_tenant: int | None = None):
+                 verify_hits: VerifyHits | bool | str = True, max_cached_per_tenant: int | None = None):
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_ids: deque[int] = deque(range(num_blocks))
-        self.cached_free: OrderedDict[int, None] = OrderedDict()  # LRU order, oldest first
+        self.cached: OrderedDict[int, None] = OrderedDict()  # the evictable blocks, LRU order, oldest first
         self.hash_table: dict[bytes, int] = {}
         self.hasher = hasher
         self.enable_caching = enable_caching and hasher is not None
         self.chain_hashes = chain_hashes
-        self.verify_hits = verify_hits
+        self.verify_hits = VerifyHits.of(verify_hits)
         self.max_cached_per_tenant = max_cached_per_tenant
         self.listeners: list[Callable] = []
         self.num_hits = self.num_lookups = self.num_rejected_hits = 0
@@ -80,14 +81,14 @@ class BlockManager:
         return len(self.blocks)
 
     @property
-    def num_free_blocks(self) -> int:
-        """Blocks that could be handed out now (free + evictable cached)."""
-        return len(self.free_ids) + len(self.cached_free)
+    def num_available(self) -> int:
+        """Blocks an allocation could take now: free + cached (evictable)."""
+        return len(self.free_ids) + len(self.cached)
 
-    def _emit(self, event: str, ids: list[int], seq: Sequence | None) -> None:
+    def _emit(self, transition: Transition, ids: list[int], seq: Sequence | None) -> None:
         if ids:
             for listener in self.listeners:
-                listener(event, ids, seq)
+                listener(transition, ids, seq)
 
     def block_hash(self, seq: Sequence, i: int) -> bytes:
         """Hash of ``seq``'s logical block ``i`` (computed once, then remembered)."""
@@ -98,19 +99,10 @@ class BlockManager:
                                                 (), seq.domain_key(j, self.block_size)))
         return seq.block_hashes[i]
 
-    def _verified(self, block: Block, seq: Sequence, i: int, parent_ref) -> bool:
-        """Does cached ``block`` really hold ``seq``'s logical block ``i``?  A hash match alone
-        is not proof: weak or unchained hashes collide (lesson 06)."""
-        if self.verify_hits is False:
-            return True
-        if block.token_ids != seq.block_tokens(i, self.block_size):
-            return False
-        if self.verify_hits == "tokens":  # nano-vllm's check: blind to the context before
-            return True
-        return block.parent_ref == parent_ref and block.domain == seq.domain_key(i, self.block_size)
-
-    def _ref(self, block: Block) -> tuple[int, int]:
-        return (block.block_id, block.generation)
+    def identity(self, seq: Sequence, i: int, parent: tuple[int, int] | None) -> BlockIdentity:
+        """What ``seq``'s logical block ``i`` is, after the block ``parent``: written into a block
+        when it is stored (``commit``), compared with a cached block's on a hit (``lookup``)."""
+        return BlockIdentity(seq.block_tokens(i, self.block_size), parent, seq.domain_key(i, self.block_size))
 
     # ---------------------------------------------------------------- prefix lookup
     def lookup(self, seq: Sequence) -> list[int]:
@@ -123,25 +115,25 @@ class BlockManager:
             return []
         hits: list[int] = []
         max_hit = (seq.num_tokens - 1) // self.block_size
-        parent_ref = None
+        parent = None
         for i in range(max_hit):
             self.num_lookups += 1
             bid = self.hash_table.get(self.block_hash(seq, i))
             if bid is None:
                 break
             block = self.blocks[bid]
-            if not self._verified(block, seq, i, parent_ref):
-                self.num_rejected_hits += 1
+            if not block.identity.admits(self.identity(seq, i, parent), self.verify_hits):
+                self.num_rejected_hits += 1  # a hash match alone is no proof: hashes collide (lesson 06)
                 break
             hits.append(bid)
-            parent_ref = self._ref(block)
+            parent = block.ref
         self.num_hits += len(hits)
         return hits
 
     # ---------------------------------------------------------------- allocation
     def can_allocate(self, num_new: int, hits: list[int] = ()) -> bool:
-        reclaimed = sum(1 for b in hits if b in self.cached_free)
-        return num_new <= self.num_free_blocks - reclaimed
+        reclaimed = sum(1 for b in hits if b in self.cached)
+        return num_new <= self.num_available - reclaimed
 
     def allocate(self, seq: Sequence) -> bool:
         """Give a waiting ``seq`` the blocks for all its tokens, reusing prefix hits.
@@ -152,7 +144,7 @@ class BlockManager:
             return False
         for bid in hits:
             self._hold(self.blocks[bid], seq)
-        self._emit("hit", hits, seq)
+        self._emit(Transition.HIT, hits, seq)
         seq.block_table = list(hits)
         seq.num_computed_tokens = len(hits) * self.block_size
         if seq.num_cached_tokens is None:
@@ -165,7 +157,7 @@ class BlockManager:
         the scheduler then preempts someone."""
         if seq.num_tokens <= len(seq.block_table) * self.block_size:
             return True
-        if self.num_free_blocks < 1:
+        if self.num_available < 1:
             return False
         self._allocate_fresh(seq, 1)
         return True
@@ -180,22 +172,21 @@ class BlockManager:
             block.num_tokens = 0
             self._hold(block, seq)
         seq.block_table.extend(fresh)
-        self._emit("allocate", fresh, seq)
+        self._emit(Transition.ALLOCATE, fresh, seq)
 
     def _hold(self, block: Block, seq: Sequence) -> None:
         if block.ref_count == 0:
-            self.cached_free.pop(block.block_id, None)
+            self.cached.pop(block.block_id, None)
         block.ref_count += 1
-        block.holders.append(seq.request_id)
 
     def _take_free_block(self, seq: Sequence) -> int:
         if self.free_ids:
             return self.free_ids.popleft()
-        victim = next(iter(self.cached_free))
+        victim = next(iter(self.cached))
         if self.max_cached_per_tenant is not None:
             # With quotas on, a tenant recycles its own cache before anyone else's, so its
             # load cannot flush a neighbour's blocks (the prime-and-probe side channel).
-            own = next((b for b in self.cached_free if self.blocks[b].writer_tenant == seq.tenant), None)
+            own = next((b for b in self.cached if self.blocks[b].writer_tenant == seq.tenant), None)
             victim = own if own is not None else victim
         # The event names ``seq``, the request whose allocation forced the eviction, so the
         # audit trail can tell who keeps evicting whom (the block itself names its writer).
@@ -205,10 +196,10 @@ class BlockManager:
     def _evict(self, bid: int, seq: Sequence | None) -> None:
         """Drop a cached, unreferenced block from the hash table onto the free list."""
         block = self.blocks[bid]
-        self.cached_free.pop(bid, None)
-        self._emit("evict", [bid], seq)  # listeners still see the hash being dropped
+        self.cached.pop(bid, None)
+        self._emit(Transition.EVICT, [bid], seq)  # listeners still see the hash being dropped
         del self.hash_table[block.hash]
-        block.hash, block.token_ids, block.parent_ref, block.domain = None, (), None, None
+        block.hash = block.identity = None
         self.free_ids.append(bid)
 
     # ---------------------------------------------------------------- after a model step
@@ -227,19 +218,18 @@ class BlockManager:
             h = self.block_hash(seq, i)
             if h in self.hash_table:
                 continue  # an identical block is already cached; keep this one private
-            block.hash, block.token_ids = h, seq.block_tokens(i, self.block_size)
-            block.domain = seq.domain_key(i, self.block_size)
-            block.public = (i + 1) * self.block_size <= seq.public_len
-            block.parent_ref = self._ref(self.blocks[seq.block_table[i - 1]]) if i else None
+            block.hash = h
+            block.identity = self.identity(seq, i, self.blocks[seq.block_table[i - 1]].ref if i else None)
+            block.public = seq.block_is_public(i, self.block_size)
             self.hash_table[h] = block.block_id
             stored.append(block.block_id)
-        self._emit("store", stored, seq)
+        self._emit(Transition.STORE, stored, seq)
         if stored:  # a tenant's cached count grows only here; free() re-checks when blocks idle
             self._enforce_quota(seq.tenant, seq)
 
     def evict_cached(self, tenant=ALL_TENANTS) -> int:
         """Evict every cached, unreferenced block (only ``tenant``'s, if given); return how many."""
-        ids = [b for b in self.cached_free if tenant is ALL_TENANTS or self.blocks[b].writer_tenant == tenant]
+        ids = [b for b in self.cached if tenant is ALL_TENANTS or self.blocks[b].writer_tenant == tenant]
         for bid in ids:
             self._evict(bid, None)
         return len(ids)
@@ -249,41 +239,31 @@ class BlockManager:
             return
         mine = [b for b in self.hash_table.values() if self.blocks[b].writer_tenant == tenant]
         excess = len(mine) - self.max_cached_per_tenant
-        for bid in [b for b in self.cached_free if self.blocks[b].writer_tenant == tenant][:max(0, excess)]:
+        for bid in [b for b in self.cached if self.blocks[b].writer_tenant == tenant][:max(0, excess)]:
             self._evict(bid, seq)
 
     def free(self, seq: Sequence) -> None:
-        """Release ``seq``'s blocks (finish, abort or preemption).  Tail blocks go first, so
-        the LRU evicts the ends of prompts before the shared beginnings."""
-        released, freed = [], []
+        """Let go of ``seq``'s blocks (finish, abort or preemption).  A block whose last holder
+        this was is *cached* if registered, else *freed*.  Tail blocks go first, so the LRU
+        evicts the ends of prompts before the shared beginnings."""
+        cached, freed = [], []
         for bid in reversed(seq.block_table):
             block = self.blocks[bid]
             block.ref_count -= 1
-            block.holders.remove(seq.request_id)
             if block.ref_count == 0:
-                freed.append(bid)
                 if block.hash is not None:
-                    self.cached_free[bid] = None  # most recently used goes last
+                    self.cached[bid] = None  # most recently used goes last
+                    cached.append(bid)
                 else:
                     self.free_ids.append(bid)
-                    released.append(bid)
+                    freed.append(bid)
         seq.block_table = []
         seq.num_computed_tokens = 0
-        self._emit("free", freed, seq)
-        self._emit("release", released, seq)
+        self._emit(Transition.FREE, freed, seq)
+        self._emit(Transition.CACHE, cached, seq)
         self._enforce_quota(seq.tenant, seq)
 
     # ---------------------------------------------------------------- inspection
-    def snapshot(self, step: int, running=(), waiting=(), tenants=None) -> PoolSnapshot:
-        views = tuple(
-            BlockView(b.block_id, b.ref_count, b.num_tokens, b.hash is not None,
-                      b.hash.hex()[:8] if b.hash is not None else None, b.writer_tenant,
-                      b.writer_request, tuple(b.holders),
-                      tuple((tenants or {}).get(r) for r in b.holders), b.public)
-            for b in self.blocks)
-        return PoolSnapshot(step, self.block_size, views, tuple(running), tuple(waiting),
-                            dict(tenants or {}))
-
     def check_invariants(self, seqs: list[Sequence]) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent (used by tests)."""
         held: dict[int, int] = {}
@@ -291,7 +271,7 @@ class BlockManager:
             assert len(set(s.block_table)) == len(s.block_table), f"{s.request_id} holds a block twice"
             for bid in s.block_table:
                 held[bid] = held.get(bid, 0) + 1
-        free, cached = set(self.free_ids), set(self.cached_free)
+        free, cached = set(self.free_ids), set(self.cached)
         assert len(free) == len(self.free_ids), "a block is on the free list twice"
         for b in self.blocks:
             assert b.ref_count == held.get(b.block_id, 0), f"block {b.block_id} ref_count mismatch"

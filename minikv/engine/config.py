@@ -18,12 +18,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..security.keys import check_secret
+from ..security.hashing import HASHERS, UNSAFE_HASHES
+from ..security.scrub import SCRUBBERS, UNSAFE_SCRUBBERS
 from .checks import as_int, as_real, as_seed, show
+from .lifecycle import VerifyHits
 
 CACHE_ISOLATION = ("shared", "tenant", "request")
-SCRUB_POLICIES = ("none", "on_free", "on_alloc")
-HASH_ALGOS = ("sha256", "hmac-sha256", "blake2b-keyed", "builtin", "trunc32", "poly")
-UNSAFE_HASH_ALGOS = ("builtin", "trunc32", "poly")
+SCRUB_POLICIES = tuple(SCRUBBERS)  # the registries' names, in registration order
+HASH_ALGOS = tuple(HASHERS)
+UNSAFE_HASH_ALGOS = tuple(a for a in HASH_ALGOS if a in UNSAFE_HASHES)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 AUDIT_LEVELS = ("request", "block")  # = minikv.audit.trail.LEVELS (not imported: the engine stays audit-free)
 DEVICE_TYPES = ("cpu", "cuda", "mps")
@@ -59,8 +62,10 @@ class EngineConfig:
         hash_algo: ``"sha256"``, ``"hmac-sha256"``, ``"blake2b-keyed"``, or UNSAFE
             ``"builtin"``, ``"trunc32"``, ``"poly"``.
         chain_hashes: a block key covers its parent's key; UNSAFE when False.
-        verify_hits: before reusing a hit, compare its tokens AND its parent block (True);
-            UNSAFE ``"tokens"`` compares tokens only (what nano-vllm does); UNSAFE False trusts the hash.
+        verify_hits: what a hit must match before its K/V are reused (``lifecycle.VerifyHits``;
+            stored as that enum): its whole identity -- tokens, parent block and domain (True,
+            ``VerifyHits.IDENTITY``); UNSAFE ``"tokens"``, tokens only (what nano-vllm does);
+            UNSAFE False, nothing (trust the hash).
         scrub: ``"on_alloc"``, ``"on_free"`` or UNSAFE ``"none"``.
         engine_secret: bytes from which per-tenant keys are derived (random when None).
             Never logged, never returned: it is excluded from ``repr``.
@@ -102,7 +107,7 @@ class EngineConfig:
     cache_isolation: str = "tenant"
     hash_algo: str = "sha256"
     chain_hashes: bool = True
-    verify_hits: Any = True
+    verify_hits: VerifyHits | bool | str = True  # stored as VerifyHits
     scrub: str = "on_alloc"
     engine_secret: bytes | None = field(default=None, repr=False)
     shared_prefixes: tuple = ()
@@ -117,8 +122,7 @@ class EngineConfig:
         _check_choice("scrub", self.scrub, SCRUB_POLICIES)
         _check_choice("audit_level", self.audit_level, AUDIT_LEVELS)
         _check_choice("hash_algo", self.hash_algo, HASH_ALGOS)
-        if not (isinstance(self.verify_hits, bool) or self.verify_hits == "tokens"):  # 1 or 1.0 == True
-            raise ValueError(f"verify_hits must be True, False or 'tokens', got {show(self.verify_hits)}")
+        self.verify_hits = VerifyHits.of(self.verify_hits)
         if _is_torch_dtype(self.dtype):
             _check_choice("dtype", str(self.dtype).removeprefix("torch."), DTYPES)
         elif self.dtype is not None:
@@ -195,10 +199,10 @@ class EngineConfig:
             found.append(f"hash_algo={self.hash_algo!r}")
         if not self.chain_hashes:
             found.append("chain_hashes=False")
-        if self.verify_hits is not True:
-            found.append(f"verify_hits={self.verify_hits!r}")
-        if self.scrub == "none" and self.scrubber is None:
-            found.append("scrub='none'")
+        if self.verify_hits is not VerifyHits.IDENTITY:
+            found.append(f"verify_hits={self.verify_hits.value!r}")
+        if self.scrub in UNSAFE_SCRUBBERS and self.scrubber is None:
+            found.append(f"scrub={self.scrub!r}")
         if self.enable_prefix_caching and self.max_cached_blocks_per_tenant == UNLIMITED:
             found.append(f"max_cached_blocks_per_tenant={UNLIMITED!r}")
         return found

@@ -19,18 +19,20 @@ import torch
 
 from ..security.hashing import make_hasher
 from ..security.keys import derive_operator_key, derive_tenant_key, new_engine_secret
-from ..security.scrub import make_scrubber
+from ..security.scrub import make_scrubber, scrub_hook, zeroes
 from . import step_guard
 from .block_manager import ALL_TENANTS, BlockManager
 from .checks import as_int, show
 from .config import EngineConfig, resolve_device
 from .kv_pool import KVPool, bytes_per_token
+from .lifecycle import LIFECYCLE, Transition
 from .loader import eos_token_ids, resolve_dtype
-from .model_runner import prepare_inputs
+from .model_runner import score_tokens
 from .outputs import RequestOutput
 from .sampling import SamplingParams, sample_row, stop_reason
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus, common_prefix_len
+from .snapshot import PoolSnapshot, capture
 
 
 class LLMEngine:
@@ -105,13 +107,9 @@ class LLMEngine:
                 raise ValueError(f"{fixed!r} cannot be overridden: a fork shares the parent's weights")
         cfg = dataclasses.replace(self.config, device=str(self.device), dtype=self.dtype, **overrides)
         child = LLMEngine(cfg, weights=(self.model, self.tokenizer, self.hf_config), open_trail=self._open_trail)
-        if "engine_secret" not in overrides:
-            # One audit identity per engine family: identical content gets the same fingerprint
-            # in every fork's records.  A fork given its own secret is a separate domain.
+        if "engine_secret" not in overrides:  # one audit identity per engine family (same fingerprints)
             child._operator_key = self._operator_key
-        if child.audit is not None:
-            # The fork's records carry the tag "<parent tag>.<n>", so the same request id in the
-            # parent and in a fork (both count from 0) never names two requests in one trail.
+        if child.audit is not None:  # tag "<parent tag>.<n>": request ids of forks never clash in one trail
             child.audit.set_lineage(child._operator_key, parent=self.audit)
         return child
 
@@ -164,8 +162,7 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
         if len(ids) + 1 > self.num_blocks * self.block_size:
-            raise ValueError(f"prompt has {len(ids)} tokens; the whole pool holds "
-                             f"{self.num_blocks * self.block_size}")
+            raise ValueError(f"prompt has {len(ids)} tokens; the whole pool holds {self.num_blocks * self.block_size}")
         seq = self._new_sequence(request_id, ids, text, params, tenant)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
@@ -203,7 +200,7 @@ class LLMEngine:
         seq.error = step_guard.describe_failure(seq, stage, exc)  # finish it alone, see step_guard
         self.stats["failed"] += 1
         self._finish(seq, "error")
-        return self._output(seq)
+        return RequestOutput.from_sequence(seq)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason, seq.status = reason, SequenceStatus.FINISHED
@@ -213,18 +210,19 @@ class LLMEngine:
         if self.audit:
             self.audit.finish(seq)
 
-    # ------------------------------------------------------------------ block lifecycle hooks
-    def _on_block_event(self, event: str, ids: list[int], seq: Sequence | None) -> None:
-        hook = {"evict": "on_free", "release": "on_free", "allocate": "on_alloc"}.get(event)
-        if hook:
+    # ------------------------------------------------------------------ the block lifecycle
+    def _on_block_event(self, transition: Transition, ids: list[int], seq: Sequence | None) -> None:
+        """Every block transition, one dispatch: its scrubber hook, then its audit record (``LIFECYCLE``)."""
+        edge = LIFECYCLE[transition]
+        scrub = scrub_hook(self.scrubber, edge.hook)
+        if scrub is not None:
             t0 = time.perf_counter()
-            getattr(self.scrubber, hook)(self.pool, ids)
+            scrub(self.pool, ids)
             self.stats["scrub_s"] += time.perf_counter() - t0
-            # Log only hooks that really zero memory (a scrubber lists them in ``hooks``).
-            if self.audit and hook in getattr(self.scrubber, "hooks", ("on_free", "on_alloc")):
-                self.audit.scrub(hook, ids, seq)
-        if self.audit and event != "release":
-            self.audit.block_event(event, ids, seq, self.block_manager.blocks)
+            if self.audit and zeroes(self.scrubber, edge.hook):  # log only hooks that zero memory
+                self.audit.scrub(edge.hook, ids, seq)
+        if self.audit:
+            self.audit.block_event(edge.record, ids, seq, self.block_manager.blocks)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:
@@ -245,7 +243,7 @@ class LLMEngine:
             if self.scheduler.waiting and not self.scheduler.running:
                 seq = self.scheduler.waiting[0]
                 self._finish(seq, "length")
-                return [self._output(seq)]
+                return [RequestOutput.from_sequence(seq)]
             return []
         rows, failed = step_guard.guarded_forward(self, batch.prefills, batch.decodes)
         if self.logit_trace is not None:
@@ -276,43 +274,22 @@ class LLMEngine:
                 seq.first_token_time = now
             if reason:
                 self._finish(seq, reason)
-            outputs.append(self._output(seq))
+            outputs.append(RequestOutput.from_sequence(seq))
         return outputs
 
     def _check_stop(self, seq: Sequence, tok: int) -> str | None:
         seq.output_text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
         return stop_reason(seq, tok, self.eos_token_ids, self.max_model_len)
 
-    def _output(self, seq: Sequence) -> RequestOutput:
-        return RequestOutput.from_sequence(seq)
-
     # ------------------------------------------------------------------ inspection
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """Logits at every position of ``token_ids`` ([T, vocab], fp32), computed through the
-        same paged path as a prefill; the blocks are borrowed from the pool and returned.
-        Lessons use it to let the model rank candidates; tests compare it with transformers."""
-        if not isinstance(token_ids, (list, tuple)) or not token_ids:
-            raise ValueError(f"score() needs a non-empty list of token ids, got {show(token_ids)}")
-        ids, _ = self.encode_prompt(list(token_ids))
-        if len(ids) > min(self.max_model_len, self.num_blocks * self.block_size):
-            raise ValueError(f"score() got {len(ids)} tokens; at most "
-                             f"{min(self.max_model_len, self.num_blocks * self.block_size)} fit")
-        seq = Sequence(f"score-{self.new_request_id()}", ids, SamplingParams(max_tokens=1), cacheable=False)
-        if not self.block_manager.allocate(seq):
-            raise RuntimeError("the pool has no room to score this sequence now")
-        try:
-            seq.num_computed_tokens = 0  # score every position, even a prefix-cache hit's
-            input_ids, positions, meta, _ = prepare_inputs([seq], [], self.block_size, self.device)
-            return self.model.logits(self.model.forward(input_ids, positions, self.pool, meta))
-        finally:
-            self.block_manager.free(seq)
+        same paged path as a prefill (``model_runner.score_tokens``)."""
+        return score_tokens(self, token_ids)
 
-    def snapshot(self):
+    def snapshot(self) -> PoolSnapshot:
         """A frozen copy of the pool and queues (see ``snapshot.py``) for visualizations."""
-        sch = self.scheduler
-        tenants = {s.request_id: s.tenant for s in list(sch.running) + list(sch.waiting)}
-        return self.block_manager.snapshot(self.step_count, [s.request_id for s in sch.running],
-                                           [s.request_id for s in sch.waiting], tenants)
+        return capture(self.block_manager, self.step_count, self.scheduler.running, self.scheduler.waiting)
 
     def check_invariants(self) -> None:
         self.block_manager.check_invariants(list(self.scheduler.running))

@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 
 from .attention import AttentionMetadata, PrefillItem
+from .checks import show
+from .sampling import SamplingParams
 from .sequence import Sequence
 
 
@@ -37,3 +39,24 @@ def prepare_inputs(prefills: list[Sequence], decodes: list[Sequence], block_size
     meta = AttentionMetadata(torch.tensor(slots, device=device), items, len(ids) - len(decodes), tables, lens)
     return (torch.tensor(ids, device=device), torch.tensor(pos, device=device), meta,
             torch.tensor(last_rows, device=device))
+
+
+def score_tokens(engine, token_ids: list[int]) -> torch.Tensor:
+    """``engine``'s logits at every position of ``token_ids`` ([T, vocab], fp32), computed
+    through the same paged path as a prefill; the blocks are borrowed from the pool and returned.
+    Lessons use it to let the model rank candidates; tests compare it with transformers."""
+    if not isinstance(token_ids, (list, tuple)) or not token_ids:
+        raise ValueError(f"score() needs a non-empty list of token ids, got {show(token_ids)}")
+    ids, _ = engine.encode_prompt(list(token_ids))
+    room = min(engine.max_model_len, engine.num_blocks * engine.block_size)
+    if len(ids) > room:
+        raise ValueError(f"score() got {len(ids)} tokens; at most {room} fit")
+    seq = Sequence(f"score-{engine.new_request_id()}", ids, SamplingParams(max_tokens=1), cacheable=False)
+    if not engine.block_manager.allocate(seq):
+        raise RuntimeError("the pool has no room to score this sequence now")
+    try:
+        seq.num_computed_tokens = 0  # score every position, even a prefix-cache hit's
+        input_ids, positions, meta, _ = prepare_inputs([seq], [], engine.block_size, engine.device)
+        return engine.model.logits(engine.model.forward(input_ids, positions, engine.pool, meta))
+    finally:
+        engine.block_manager.free(seq)

@@ -69,13 +69,14 @@ class Sequence:
         """Token ids stored in logical block ``i``."""
         return tuple(self.token_ids[i * block_size:(i + 1) * block_size])
 
+    def block_is_public(self, i: int, block_size: int) -> bool:
+        """Does logical block ``i`` lie entirely inside an operator-declared public prefix?"""
+        return (i + 1) * block_size <= self.public_len
+
     def domain_key(self, i: int, block_size: int) -> bytes | None:
-        """The tenant key for logical block ``i``: None while the block lies entirely inside
-        an operator-declared public prefix (so every tenant can share it), the tenant's own
-        key afterwards."""
-        if (i + 1) * block_size <= self.public_len:
-            return None
-        return self.tenant_key
+        """The tenant key for logical block ``i``: None for a public block (so every tenant can
+        share it), the tenant's own key afterwards."""
+        return None if self.block_is_public(i, block_size) else self.tenant_key
 
 
 def common_prefix_len(ids: list[int], public: list[int]) -> int:

@@ -2,8 +2,14 @@
 
 The engine's live state (the block manager, the scheduler's queues) changes on every
 ``step()``.  A lesson that wants to scrub back and forth through time therefore cannot keep a
-reference to it; it needs *copies*.  ``LLMEngine.snapshot()`` builds one of these after each step,
-and everything in ``minikv.viz`` draws from them alone, so drawing code never touches the engine.
+reference to it; it needs *copies*.  ``LLMEngine.snapshot()`` builds one of these (with
+:func:`capture`) when asked, and everything in ``minikv.viz`` draws from them alone, so drawing
+code never touches the engine.  What only a picture needs -- who holds each block -- is worked
+out here, from the running sequences' block tables, never tracked while the engine runs.
+
+The words are those of ``minikv.engine.lifecycle``: a block is ``free``, ``used`` or ``cached``
+(ref count 0 but hittable, so evictable); ``registered`` (in the hash table) covers cached blocks
+and used ones that others may hit.
 """
 from __future__ import annotations
 
@@ -18,8 +24,8 @@ class BlockView:
     block_id: int
     ref_count: int  # running sequences whose block table holds this block
     num_tokens: int  # slots written so far (0..block_size)
-    cached: bool  # registered in the prefix-cache hash table (can be hit)
-    hash_hex: str | None  # short hex of the block hash, when cached
+    registered: bool  # in the prefix-cache hash table (can be hit): cached, or used and stored
+    hash_hex: str | None  # short hex of the block hash, when registered
     tenant: str | None  # tenant of the request that wrote the block
     request_id: str | None  # request that wrote the block
     holders: tuple[str, ...] = ()  # request ids currently holding the block
@@ -28,10 +34,10 @@ class BlockView:
 
     @property
     def state(self) -> str:
-        """``"used"`` (held by a request), ``"cached"`` (free but hittable) or ``"free"``."""
+        """``"used"`` (held by a request), ``"cached"`` (held by none, hittable) or ``"free"``."""
         if self.ref_count > 0:
             return "used"
-        return "cached" if self.cached else "free"
+        return "cached" if self.registered else "free"
 
     @property
     def shared(self) -> bool:
@@ -40,8 +46,8 @@ class BlockView:
 
     @property
     def cross_tenant(self) -> bool:
-        """Held at once by requests of different tenants: what isolation must prevent
-        (except for public, operator-declared shared prefixes)."""
+        """Held at once by requests of different tenants (a public block may be: see
+        ``lifecycle.crosses_tenants``)."""
         return len(set(self.holder_tenants)) > 1
 
 
@@ -62,10 +68,12 @@ class PoolSnapshot:
 
     @property
     def num_free(self) -> int:
+        """Blocks on the free list (not the cached ones: see ``num_cached``)."""
         return sum(b.state == "free" for b in self.blocks)
 
     @property
-    def num_cached_free(self) -> int:
+    def num_cached(self) -> int:
+        """Blocks held by no request but kept for hits (evictable)."""
         return sum(b.state == "cached" for b in self.blocks)
 
     def blocks_per_tenant(self) -> dict[str, int]:
@@ -77,8 +85,25 @@ class PoolSnapshot:
         """One line of text that describes the frame; tests and the browser check read it."""
         per = " ".join(f"{t}={n}" for t, n in self.blocks_per_tenant().items()) or "none"
         return (f"step {self.step}: used[{per}] free={self.num_free} "
-                f"cached={self.num_cached_free} running={len(self.running)} "
+                f"cached={self.num_cached} running={len(self.running)} "
                 f"waiting={len(self.waiting)}")
+
+
+def capture(block_manager, step: int, running=(), waiting=()) -> PoolSnapshot:
+    """Copy ``block_manager``'s pool and the scheduler's queues (sequences).  A block's holders
+    are the running sequences whose block table holds it, in the order they were admitted."""
+    holders: dict[int, list] = {}
+    for seq in running:
+        for bid in seq.block_table:
+            holders.setdefault(bid, []).append(seq)
+    views = tuple(
+        BlockView(b.block_id, b.ref_count, b.num_tokens, b.hash is not None,
+                  b.hash.hex()[:8] if b.hash is not None else None, b.writer_tenant, b.writer_request,
+                  tuple(s.request_id for s in holders.get(b.block_id, ())),
+                  tuple(s.tenant for s in holders.get(b.block_id, ())), b.public)
+        for b in block_manager.blocks)
+    return PoolSnapshot(step, block_manager.block_size, views, tuple(s.request_id for s in running),
+                        tuple(s.request_id for s in waiting), {s.request_id: s.tenant for s in (*running, *waiting)})
 
 
 def tenant_label(tenant: str | None) -> str:

@@ -16,6 +16,7 @@ import warnings
 from typing import Callable
 
 from ..engine.config import UnsafeSettingWarning
+from ..engine.lifecycle import crosses_tenants
 from ..llm import LLM
 from ..engine.sampling import SamplingParams
 
@@ -48,7 +49,7 @@ class HitLog:
     @property
     def cross(self) -> list[tuple]:
         """Hits on another tenant's private block (never allowed)."""
-        return [h for h in self.hits if h[0] != h[1] and not h[2]]
+        return [h for h in self.hits if crosses_tenants(h[:2], h[2])]
 
     @property
     def same(self) -> list[tuple]:

@@ -14,10 +14,13 @@ block before anyone else can see it turns that whole bug class into reading zero
 Where in the block lifecycle
 ----------------------------
 A block is *used* (held by running requests), *cached* (ref count 0 but still in the
-prefix-cache hash table, so a future request may hit it) or *free* (neither).
+prefix-cache hash table, so a future request may hit it) or *free* (neither).  The states and
+the transitions between them are named in ``minikv.engine.lifecycle``, whose table says which
+hook runs on which transition; the engine runs it through :func:`scrub_hook`.
 
 * ``on_free``: scrub when the data stops being reachable on purpose -- the block is
-  evicted from the hash table, or released without ever being cached.  Data lives no
+  evicted from the hash table (``evict``), or its last holder lets go of it without it ever
+  being cached (``free``).  Data lives no
   longer than necessary, which also protects against memory dumps of an idle server.
   Never scrub a block that is merely *released into the cache*: that is the shared data
   the cache exists to keep.
@@ -26,6 +29,8 @@ prefix-cache hash table, so a future request may hit it) or *free* (neither).
   never reused, and it also covers blocks that were never scrubbed on free.  Never scrub a
   *hit* block (that would destroy shared data another request is about to read), and never
   scrub after the new owner has written it (that would destroy the owner's own K/V).
+* ``on_hit``, ``on_store``, ``on_cache``: optional hooks of the other transitions (none of
+  minikv's scrubbers has them), so a policy can act anywhere in a block's life.
 
 Both are correct; ``on_alloc`` is minikv's default.  ``NoScrub`` is UNSAFE and exists to
 show the leak.  A scrub is one indexed write per tensor (``index_fill_`` along the block
@@ -38,12 +43,14 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 __all__ = ["Scrubber", "NoScrub", "ScrubOnFree", "ScrubOnAlloc", "SCRUBBERS", "UNSAFE_SCRUBBERS",
-           "make_scrubber", "zero_blocks"]
+           "make_scrubber", "scrub_hook", "zero_blocks", "zeroes"]
 
 
 @runtime_checkable
 class Scrubber(Protocol):
-    """The seam: the engine calls these hooks on block lifecycle events."""
+    """The seam: the engine calls these hooks on block lifecycle transitions (see
+    ``minikv.engine.lifecycle.LIFECYCLE``).  Optional: ``on_hit``, ``on_store``, ``on_cache``,
+    and ``hooks``, the names of the hooks that really zero memory (default: all)."""
 
     def on_free(self, pool, block_ids: list[int]) -> None: ...
 
@@ -104,6 +111,19 @@ class ScrubOnAlloc:
 
     def on_alloc(self, pool, block_ids: list[int]) -> None:
         zero_blocks(pool, block_ids)
+
+
+def scrub_hook(scrubber, hook: str):
+    """The method of ``scrubber`` named ``hook`` (the lifecycle table's hook of a transition), or
+    None when the scrubber has no such optional hook."""
+    return getattr(scrubber, hook, None)
+
+
+def zeroes(scrubber, hook: str) -> bool:
+    """Does ``hook`` of ``scrubber`` zero memory?  A scrubber lists those in ``hooks``; one
+    without that attribute is taken at its word that every hook does."""
+    hooks = getattr(scrubber, "hooks", None)
+    return hooks is None or hook in hooks
 
 
 SCRUBBERS: dict[str, type] = {cls.name: cls for cls in (NoScrub, ScrubOnFree, ScrubOnAlloc)}

@@ -30,6 +30,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from minikv.engine.lifecycle import crosses_tenants
 from minikv.engine.snapshot import BlockView, PoolSnapshot, tenant_label
 
 #: The eight Okabe-Ito colours, by their conventional names.
@@ -84,7 +85,7 @@ class Cell:
     @property
     def warning(self) -> bool:
         """Cross-tenant sharing outside a public prefix: the isolation failure to point at."""
-        return self.cross_tenant and not self.public
+        return self.cross_tenant and not self.public  # = crosses_tenants(holder tenants, public)
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,7 @@ def _cell(block: BlockView, row: int, col: int, block_size: int, mode: str,
     edge, width, style, hatch, badge = EDGE, 0.8, "solid", None, ""
     if block.public:
         width, style, hatch, badge = 2.5, "dotted", PUBLIC_HATCH, "P"
-    elif block.cross_tenant:
+    elif crosses_tenants(block.holder_tenants, block.public):
         width, style, badge = 3.5, "dashed", "!"
     elif block.shared:
         width = 3.0

@@ -194,7 +194,7 @@ class BlockManager:
         return self.free_ids.pop()
 
     def _evict(self, bid: int, seq: Sequence | None) -> None:
-        """Drop a cached, unreferenced block from the hash table onto the free list."""
+        """Drop a cached block from the hash table onto the free list (transition ``evict``)."""
         block = self.blocks[bid]
         self.cached.pop(bid, None)
         self._emit(Transition.EVICT, [bid], seq)  # listeners still see the hash being dropped
@@ -228,7 +228,7 @@ class BlockManager:
             self._enforce_quota(seq.tenant, seq)
 
     def evict_cached(self, tenant=ALL_TENANTS) -> int:
-        """Evict every cached, unreferenced block (only ``tenant``'s, if given); return how many."""
+        """Evict every cached block (only ``tenant``'s, if given); return how many."""
         ids = [b for b in self.cached if tenant is ALL_TENANTS or self.blocks[b].writer_tenant == tenant]
         for bid in ids:
             self._evict(bid, None)

@@ -114,7 +114,7 @@ class LLMEngine:
         return child
 
     def reset_prefix_cache(self, tenant=ALL_TENANTS) -> int:
-        """Evict every cached, unreferenced block (or only those written by ``tenant``), as
+        """Evict every cached block (or only those written by ``tenant``), as
         vLLM's ``reset_prefix_cache`` does.  Returns how many blocks were evicted."""
         return self.block_manager.evict_cached(tenant)
 

@@ -9,7 +9,7 @@ them onto an ``Axes``.
 Two modes, one per lesson:
 
 ``"tenant"`` (lesson 02, "who owns the pool?")
-    face colour = tenant that wrote the block; free blocks light grey; cached-but-free blocks
+    face colour = tenant that wrote the block; free blocks light grey; cached blocks
     (evictable, still hittable) white with a hatch and an outline in the writer's colour; the
     label is the reference count.  Partly written blocks are filled bottom-up (``Cell.fill``), so
     you can watch decode fill the last block of a sequence.
@@ -52,7 +52,7 @@ TENANT_PALETTE: tuple[str, ...] = tuple(OKABE_ITO[n] for n in (
 
 FREE_COLOR = "#DDDDDD"  # light grey: nothing here, nothing to leak
 FREE_EDGE = "#BBBBBB"
-CACHED_FACE = "#FFFFFF"  # free but hittable: outline + hatch in the writer's colour
+CACHED_FACE = "#FFFFFF"  # cached (held by none, hittable): outline + hatch in the writer's colour
 CACHED_HATCH = "///"
 PUBLIC_HATCH = ".."
 EDGE = "#000000"

@@ -250,11 +250,18 @@ def test_make_hasher_validates_the_secret(name):
         make_hasher(name, b"abcd")
 
 
-def test_registry_matches_the_engine_config():
+def test_every_registered_hasher_is_a_setting_and_a_flag():
+    """The registry is the one list: the config, its UNSAFE subset and the CLI all follow it."""
+    from minikv.cli import build_parser
     from minikv.engine import config
 
     assert set(HASHERS) == set(config.HASH_ALGOS)
-    assert UNSAFE_HASHES == frozenset(config.UNSAFE_HASH_ALGOS)
+    assert UNSAFE_HASHES == frozenset(config.UNSAFE_HASH_ALGOS) and UNSAFE_HASHES < set(HASHERS)
+    for name in HASHERS:
+        args = build_parser().parse_args(["generate", "--model", "m", "x", "--hash-algo", name])
+        assert args.hash_algo == name
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--model", "m", "x", "--hash-algo", "md5"])
 
 
 def test_hashing_a_block_costs_microseconds(name):

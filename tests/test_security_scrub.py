@@ -118,10 +118,16 @@ def test_registry_and_protocol():
         assert scrubber.name == name and scrubber.unsafe == (name in UNSAFE_SCRUBBERS)
 
 
-def test_registry_matches_the_engine_config():
+def test_every_registered_scrubber_is_a_setting_and_a_flag():
+    """The registry is the one list: the config and the CLI follow it."""
+    from minikv.cli import build_parser
     from minikv.engine import config
 
     assert set(SCRUBBERS) == set(config.SCRUB_POLICIES)
+    for name in SCRUBBERS:
+        assert build_parser().parse_args(["generate", "--model", "m", "x", "--scrub", name]).scrub == name
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--model", "m", "x", "--scrub", "sometimes"])
 
 
 @pytest.mark.parametrize("bad", ["on-free", "ON_ALLOC", "", None, 1])

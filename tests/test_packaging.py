@@ -226,3 +226,14 @@ def test_setup_key_covers_the_constraints(bootstrap, monkeypatch, tmp_path):
 
 def test_makefile_has_upgrade_deps():
     assert re.search(r"^upgrade-deps:", (ROOT / "Makefile").read_text(), re.M)
+
+
+def test_every_data_file_of_the_package_is_declared():
+    """Non-Python files under minikv/ (the committed collision pairs) must ship in a wheel too:
+    an editable install reads them from the checkout and would hide a missing declaration."""
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"].get("package-data", {})
+    for path in (ROOT / "minikv").rglob("*"):
+        if path.is_file() and path.suffix not in (".py", ".pyc") and "__pycache__" not in path.parts:
+            package = ".".join(path.parent.relative_to(ROOT).parts)
+            patterns = declared.get(package, [])
+            assert any(path.match(p) for p in patterns), f"{path.relative_to(ROOT)} is not in package-data"

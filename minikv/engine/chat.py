@@ -40,6 +40,13 @@ def check_messages(messages, forbidden: tuple[str, ...]) -> None:
                                  "special tokens may not appear inside message content")
 
 
+def encode_text(tokenizer, text: str) -> list[int]:
+    """A plain (completion) prompt's token ids, with the tokenizer's own special tokens (BOS)
+    as the model expects them.  One function, so the engine and the server's tokenizer thread
+    can never tokenize the same prompt two ways (the prefix cache relies on equal ids)."""
+    return list(tokenizer(text).input_ids)
+
+
 def render_chat(tokenizer, messages, forbidden: tuple[str, ...] | None = None) -> tuple[list[int], str]:
     """Token ids and text of ``messages`` after the model's chat template, generation prompt
     included.  ``forbidden`` defaults to :func:`control_tokens` of ``tokenizer`` (pass it to

@@ -22,6 +22,7 @@ from ..security.keys import derive_operator_key, derive_tenant_key, new_engine_s
 from ..security.scrub import make_scrubber, scrub_hook, zeroes
 from . import step_guard
 from .block_manager import ALL_TENANTS, BlockManager
+from .chat import encode_text
 from .checks import as_int, show
 from .config import EngineConfig, resolve_device
 from .kv_pool import KVPool, bytes_per_token
@@ -130,7 +131,7 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty ('')")
-            return list(self.tokenizer(prompt).input_ids), prompt
+            return encode_text(self.tokenizer, prompt), prompt
         if isinstance(prompt, (list, tuple)):
             ids = [as_int(f"prompt token {i}", t) for i, t in enumerate(prompt)]
             self._check_vocab("token id", ids)

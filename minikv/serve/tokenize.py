@@ -29,7 +29,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
-from ..engine.chat import control_tokens, render_chat
+from ..engine.chat import control_tokens, encode_text, render_chat
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ class PromptEncoder:
         if isinstance(prompt, ChatPrompt):
             ids, _ = render_chat(self._tok, prompt.messages, self._forbidden)
         elif isinstance(prompt, str):
-            ids = list(self._tok(prompt).input_ids)  # as LLMEngine.encode_prompt does
+            ids = encode_text(self._tok, prompt)
         else:
             ids = list(prompt)
         if len(ids) >= self.max_model_len:

@@ -343,3 +343,31 @@ def test_plot_bars_and_sweep():
     line = sweep.axes[0].lines
     assert len(line) == 1 and len(line[0].get_xdata()) == 4
     assert sweep.axes[0].get_xscale() == "log"
+
+
+# ---- lesson figures (minikv/viz/fleet.py) -------------------------------------------------------
+def test_fleet_figures_draw_what_they_are_given():
+    from minikv.viz.fleet import draw_fleet, plot_churn, plot_prime_and_probe, plot_probe_ttfts
+    fig = draw_fleet(4)
+    assert sum(t.get_text().startswith("edge-") for t in fig.axes[0].texts) == 4
+    rows = [dict(right=True, ttft=0.1), dict(right=False, ttft=0.3)]
+    fig = plot_probe_ttfts({"a": (rows, 0.2), "b": (rows, 0.25)})
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["a", "b"]
+    assert len(ax.collections) >= 4 + 2   # one scatter per probe, one threshold line per fleet
+    fig = plot_churn([1, 10, None], {"prefix": [0.0, 0.5, 0.7], "rr": [0.0, 0.3, 0.5]})
+    lines = fig.axes[0].get_lines()
+    assert [list(l.get_xdata()) for l in lines] == [[1, 10, 60]] * 2
+    assert list(lines[0].get_ydata()) == [0.0, 50.0, 70.0]
+    fig = plot_prime_and_probe([0, 1, 2], {"quota": [128, 128, 128], "none": [128, 64, 0]})
+    assert [l.get_label() for l in fig.axes[0].get_lines()] == ["quota", "none"]
+
+
+def test_fleet_figures_refuse_mismatched_data():
+    from minikv.viz.fleet import draw_fleet, plot_churn, plot_prime_and_probe
+    with pytest.raises(ValueError, match="'prefix': 2 hit rates for 3 lifetimes"):
+        plot_churn([1, 2, None], {"prefix": [0.1, 0.2]})
+    with pytest.raises(ValueError, match="'none': 1 values for 2 loads"):
+        plot_prime_and_probe([0, 1], {"none": [3]})
+    with pytest.raises(ValueError, match="num_instances must be 1..5"):
+        draw_fleet(0)

@@ -18,7 +18,7 @@ MODEL := smollm2-135m-instruct
 NOTEBOOKS := $(wildcard course/*.ipynb)
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
-.PHONY: setup upgrade-deps model chromium course test test-py test-nb grade bench clean
+.PHONY: setup upgrade-deps model chromium course test test-py test-nb grade bench clean vllm vllm-start vllm-stop
 
 setup:
 	@$(PYTHON) scripts/bootstrap.py
@@ -38,7 +38,24 @@ ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 course: model
 	$(PY) -m jupyter lab --ip=127.0.0.1 --port=$(PORT) --ServerApp.root_dir=course $(ROOT_FLAG)
 
-test: model chromium test-py test-nb
+# One real vLLM (if .venv-vllm exists: `make vllm`) serves every vllm-marked test and lesson 11;
+# it is started once, before pytest and nbval, and stopped by its PID however they end.
+VLLM_SERVER := $(PY) scripts/vllm_server.py
+
+test: model chromium
+	@if [ -x .venv-vllm/bin/python ]; then $(VLLM_SERVER) start || exit 1; \
+	  else echo "[vllm] not installed (make vllm): vllm-marked tests skip, lesson 11 uses minikv serve"; fi; \
+	trap '$(VLLM_SERVER) stop' EXIT; $(MAKE) --no-print-directory test-py test-nb
+
+# vLLM's CPU build in .venv-vllm (its own pins; see scripts/vllm_env.py), ~3 GB.
+vllm: setup
+	@$(PY) scripts/vllm_env.py
+
+vllm-start: model
+	@$(VLLM_SERVER) start
+
+vllm-stop:
+	@$(VLLM_SERVER) stop
 
 test-py: model chromium
 	$(PYTEST) tests $(PYTEST_ARGS)

@@ -1,7 +1,8 @@
-"""The ``minikv`` command: ``generate``, ``serve``, ``audit``, ``bench``.
+"""The ``minikv`` command: ``generate``, ``serve``, ``gateway``, ``audit``, ``bench``.
 
     minikv generate --model tiny-random "Once upon a time" --max-tokens 16 --temperature 0
     minikv serve --model smollm2-135m-instruct --api-keys keys.json --enable-prefix-caching
+    minikv gateway --upstream http://127.0.0.1:8017/v1 --api-keys keys.json --secret-file gw.secret
     minikv audit isolation --model tiny-random --enable-prefix-caching
     minikv audit timing --base-url http://127.0.0.1:8000/v1 --api-key sk-... --victim-key sk-...
     minikv bench ...
@@ -86,13 +87,15 @@ def build_parser() -> argparse.ArgumentParser:
     from . import __version__
     from .audit.cli import add_audit_parser
     from .audit.isolation import add_isolation_parser
+    from .gateway.cli import add_gateway_parser
     from .serve.cli import add_serve_parser
 
     parser = argparse.ArgumentParser(prog="minikv", description="KV-cache security course engine")
     parser.add_argument("--version", action="version", version=f"minikv {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,serve,audit,bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,serve,gateway,audit,bench}")
     _add_generate(sub)
     add_serve_parser(sub)
+    add_gateway_parser(sub)
     add_audit_parser(sub, extra=[add_isolation_parser])
     _add_bench(sub)
     return parser

@@ -23,7 +23,7 @@ LAYERS = (
     ("minikv.audit.trail",),                        # the recorder the engine is handed
     ("minikv.llm",),                                # the front door: composes the three above
     ("minikv.audit", "minikv.serve", "minikv.attacks"),  # tools that drive or read an engine
-    ("minikv.viz", "minikv.edge", "minikv.grading"),     # built on those tools
+    ("minikv.viz", "minikv.edge", "minikv.grading", "minikv.gateway"),  # built on those tools
     ("minikv", "minikv.cli", "minikv.__main__", "minikv.bench", "minikv.bench_fairness"),  # entry points
 )
 ENTRY_POINTS = LAYERS[-1]

@@ -15,7 +15,8 @@ the like are ignored.  vLLM's answer to cross-tenant cache probing is a client-s
 shares the victim's cache again (vLLM issue #53347).  A key that only the server derives from
 (engine secret, authenticated tenant) cannot be copied by a client, because no client ever sees
 it.  Keys are compared in constant time (:mod:`minikv.serve.auth`), so response timing does not
-reveal how much of a guessed key was right.
+reveal how much of a guessed key was right.  (``--trust-client-salt`` lets ``cache_salt`` *narrow*
+the key's tenant domain, vLLM-style, never widen it: :mod:`minikv.serve.client_salt`.)
 
 Concurrency
 -----------
@@ -70,6 +71,7 @@ from .metrics import ServerMetrics
 from .middleware import MetricsMiddleware, QueryStringGuard, install_error_handlers
 from .protocol import (APIError, _chat_messages, _completion_prompt, _field, _sampling_params,
                        check_content_length, read_json)
+from .client_salt import check_tenant_names, client_salt, salted_domain
 from .errors import EngineUnavailable, RequestRejected
 from .runner import EngineRunner
 from .streaming import Reply
@@ -119,7 +121,8 @@ def create_metrics_app(metrics: ServerMetrics, operator_keys: ApiKeys | Mapping[
 def create_app(llm_or_engine, api_keys: ApiKeys | Mapping[str, str], *, model_name: str | None = None,
                report_cached_tokens: bool = False, limits: ServeLimits | None = None,
                operator_keys: ApiKeys | Mapping[str, str] | None = None,
-               metrics: ServerMetrics | None = None, runner: EngineRunner | None = None) -> FastAPI:
+               metrics: ServerMetrics | None = None, runner: EngineRunner | None = None,
+               trust_client_salt: bool = False) -> FastAPI:
     """Build the FastAPI app around an ``LLM`` or ``LLMEngine``.
 
     ``report_cached_tokens`` adds ``usage.prompt_tokens_details.cached_tokens``: useful to
@@ -127,9 +130,12 @@ def create_app(llm_or_engine, api_keys: ApiKeys | Mapping[str, str], *, model_na
     isolation it only ever reveals a tenant's own hits.  ``limits`` are the per-tenant and
     per-request limits (:class:`ServeLimits`; its defaults when None).  ``operator_keys``
     unlock ``/metrics``.  The engine runner starts with the app (lifespan) and stops with it.
+    ``trust_client_salt``: honour ``cache_salt`` like vLLM (:mod:`minikv.serve.client_salt`).
     """
     engine = getattr(llm_or_engine, "engine", llm_or_engine)
     keys, ops = _keys(api_keys), _keys(operator_keys)
+    if trust_client_salt:
+        check_tenant_names(keys.tenants)
     limits = limits if limits is not None else ServeLimits()
     limiter = TenantLimiter(limits)
     metrics = metrics if metrics is not None else ServerMetrics()
@@ -213,9 +219,10 @@ def create_app(llm_or_engine, api_keys: ApiKeys | Mapping[str, str], *, model_na
             stream_flag = _field(body, "stream", (bool,), False, "a boolean")
             opts = _field(body, "stream_options", (dict,), {}, "an object")
             include_usage = bool(opts.get("include_usage", False))
-            # Deliberately ignored: body["cache_salt"], body["user"], any "tenant" field (see module doc).
+            # Ignored: body["user"], any "tenant" field; body["cache_salt"] unless trusted (module doc).
+            domain = salted_domain(tenant, client_salt(body)) if trust_client_salt else tenant
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-            stream = await start(rid, prompt, params, tenant)
+            stream = await start(rid, prompt, params, domain)
             reply = Reply(rid, model, chat, usage)
             if stream_flag:
                 handed_off = True  # the streaming response releases the lease when it ends

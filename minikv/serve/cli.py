@@ -60,6 +60,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except (OSError, ValueError, TypeError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    if args.trust_client_salt and llm.engine.config.cache_isolation != "tenant":
+        print("warning: --trust-client-salt has no effect unless --cache-isolation tenant", file=sys.stderr)
     unsafe = llm.engine.config.unsafe_settings()
     if unsafe:
         print("warning: serving with UNSAFE settings: " + ", ".join(unsafe), file=sys.stderr)
@@ -68,7 +70,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             print(f"warning: listening on {host}, not loopback: put TLS and a firewall in front",
                   file=sys.stderr)
     app = create_app(llm, keys, model_name=args.served_model_name or args.model,
-                     report_cached_tokens=args.report_cached_tokens, limits=limits, operator_keys=ops)
+                     report_cached_tokens=args.report_cached_tokens, limits=limits, operator_keys=ops,
+                     trust_client_salt=args.trust_client_salt)
     import asyncio
 
     import uvicorn
@@ -141,6 +144,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--served-model-name", help="model id clients send (default: --model)")
     p.add_argument("--report-cached-tokens", action="store_true",
                    help="report usage.prompt_tokens_details.cached_tokens")
+    p.add_argument("--trust-client-salt", action="store_true",
+                   help="honour the request's cache_salt like vLLM (a salt narrows the key's tenant domain; "
+                        "see minikv.serve.client_salt); off by default")
     p.add_argument("--operator-keys", metavar="FILE",
                    help="JSON object mapping operator key -> name; these keys (only) may read /metrics")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address of --metrics-port (default 127.0.0.1)")

@@ -1,0 +1,258 @@
+"""The gateway's HTTP app: the course's defenses in front of any OpenAI-compatible engine.
+
+    app = create_gateway_app(GatewayConfig(upstreams=("http://127.0.0.1:8017/v1",),
+                                           secret=secrets.token_bytes(32)), keys)
+
+One request's path, cheapest check first (the order ``minikv serve`` uses, for the same
+reason: a tenant must not be able to slow others down with requests that are refused anyway):
+
+1. API key -> identity (401), the tenant's request rate (429), ``Content-Length`` (413);
+2. one of the tenant's concurrency slots (429 when too many already wait);
+3. the body: strict JSON (400), ``max_tokens`` at most the cap (400; absent -> the cap), the
+   tenant's decode budget (429);
+4. the salt of this identity replaces whatever ``cache_salt`` the client sent; the prompt's
+   tokens (upstream tokenizer) pick the upstream (:mod:`minikv.gateway.routing`);
+5. forward (:mod:`minikv.gateway.proxy`), pass the answer back, write one trail record.
+
+Nothing a client sends can choose its salt, tenant or user.  The limits, key loader and metrics
+are ``minikv serve``'s own (:mod:`minikv.serve.limits`, :mod:`minikv.serve.auth`,
+:mod:`minikv.serve.metrics`); ``/metrics`` and ``/admin/findings`` answer operator keys only.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import Counter
+
+from ..serve.auth import ApiKeys
+from ..serve.limits import ServeLimits, TenantLimiter
+from ..serve.metrics import ServerMetrics
+from ..serve.middleware import GuardedStreamingResponse, MetricsMiddleware, QueryStringGuard, install_error_handlers
+from ..serve.protocol import APIError, check_content_length, read_json
+from . import proxy
+from .routing import SaltAwareRouter
+from .salt import GatewayKeys, Identity, derive_salt
+
+log = logging.getLogger("minikv.gateway")
+
+
+@dataclass
+class GatewayConfig:
+    """Everything the app needs besides the keys.
+
+    upstreams: API roots ending in ``/v1``.  upstream_key: the gateway's own key for them.
+    secret: the gateway secret (>= 16 bytes) the salts are derived from -- keep it stable, or
+    every tenant's cache goes cold on restart.  salt_scope: ``"tenant"`` or ``"user"``.
+    salt_header: also send the salt as ``X-Cache-Salt``.  max_tokens_cap: per-request cap (and
+    the value used when a request gives none).  prefix_tokens: routing key length.
+    """
+
+    upstreams: tuple[str, ...]
+    secret: bytes
+    upstream_key: str | None = None
+    salt_scope: str = "tenant"
+    salt_header: bool = False
+    limits: ServeLimits = field(default_factory=ServeLimits)
+    max_tokens_cap: int = 512
+    prefix_tokens: int = 128
+    timeout: float = 300.0
+
+
+def _max_tokens(body: dict, chat: bool, cap: int) -> int:
+    """Validate the request's ``max_tokens`` against ``cap``; set it when absent."""
+    names = ("max_tokens", "max_completion_tokens") if chat else ("max_tokens",)
+    given = [(n, body[n]) for n in names if body.get(n) is not None]
+    for name, value in given:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise APIError(400, f"'{name}' must be a positive integer, got {value!r}", param=name)
+        if value > cap:
+            raise APIError(400, f"{name}={value} is above this gateway's cap of {cap} tokens per request",
+                           param=name, code="max_tokens_above_cap")
+    if not given:
+        body["max_tokens"] = cap
+    return max((v for _, v in given), default=cap)
+
+
+def create_gateway_app(config: GatewayConfig, keys: GatewayKeys, *, operator_keys: ApiKeys | None = None,
+                       tokens=None, trail=None, transport: httpx.AsyncBaseTransport | None = None) -> FastAPI:
+    """Build the app.  ``tokens``: a :class:`~minikv.gateway.oversight.PromptTokens` (routing
+    key and trail; None routes on the salt alone and keeps no trail).  ``trail``: a
+    :class:`~minikv.gateway.oversight.GatewayTrail`.  ``transport``: for tests."""
+    limiter = TenantLimiter(config.limits)
+    router = SaltAwareRouter(config.upstreams, config.prefix_tokens)
+    metrics = ServerMetrics()
+    replaced = Counter("minikv_gateway_client_salts_replaced", "Requests whose client-sent cache_salt "
+                       "(body or header) was replaced, by tenant", ["tenant"], registry=metrics.registry)
+    upstream_errors = Counter("minikv_gateway_upstream_errors", "Requests the gateway could not serve "
+                              "because an upstream failed", ["upstream", "code"], registry=metrics.registry)
+    salts: dict[Identity, str] = {}
+    state: dict[str, Any] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state["client"] = httpx.AsyncClient(timeout=httpx.Timeout(config.timeout, connect=5.0),
+                                            transport=transport, limits=httpx.Limits(max_connections=256))
+        try:
+            yield
+        finally:
+            await state["client"].aclose()
+            if trail is not None:
+                trail.close()
+
+    app = FastAPI(title="minikv-gateway", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.metrics, app.state.limiter, app.state.router = metrics, limiter, router
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    app.add_middleware(QueryStringGuard)
+    install_error_handlers(app, metrics)
+
+    def identity_of(request: Request) -> Identity:
+        raw = next((v for k, v in request.scope["headers"] if k == b"authorization"), None)
+        who = keys.resolve(raw)
+        if who is None:
+            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                           code="invalid_api_key")
+        request.state.tenant = who.tenant
+        return who
+
+    def salt_of(who: Identity) -> str:
+        if who not in salts:
+            salts[who] = derive_salt(config.secret, who, config.salt_scope)
+        return salts[who]
+
+    def operator(request: Request) -> None:
+        if operator_keys is None:
+            raise APIError(404, "operator endpoints need --operator-keys", "not_found_error",
+                           code="operator_endpoints_disabled")
+        raw = next((v for k, v in request.scope["headers"] if k == b"authorization"), None)
+        if operator_keys.resolve(raw) is None:
+            raise APIError(401, "invalid or missing operator key", code="invalid_api_key")
+
+    def finish(who: Identity, ids: list[int], slot: int, status: int, usage: dict | None) -> None:
+        usage = usage or {}
+        cached = proxy.cached_tokens_of({"usage": usage})
+        if status == 200 and isinstance(usage.get("prompt_tokens"), int):
+            metrics.observe_finish(usage["prompt_tokens"], cached or 0, usage.get("completion_tokens") or 0,
+                                   "stop", None, who.tenant)
+        if trail is not None and ids:
+            trail.record(who.tenant, ids, upstream=slot, status=status, cached_tokens=cached)
+
+    async def handle(request: Request, chat: bool):
+        who = identity_of(request)
+        limiter.check_rate(who.tenant)
+        check_content_length(request, config.limits.max_body_bytes)
+        lease = await limiter.acquire(who.tenant)
+        handed_off = False
+        try:
+            body = await read_json(request, config.limits.max_body_bytes)
+            n = _max_tokens(body, chat, config.max_tokens_cap)
+            try:
+                lease.reserve(n)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="max_tokens") from None
+            if "cache_salt" in body or request.headers.get("x-cache-salt") is not None:
+                replaced.labels(tenant=who.tenant).inc()
+            salt = salt_of(who)
+            body = proxy.salted(body, salt)
+            ids: list[int] = []
+            if tokens is not None:
+                try:
+                    ids = await asyncio.to_thread(tokens.of_body, body, chat)
+                except (ValueError, TypeError, KeyError) as exc:
+                    raise APIError(400, f"cannot tokenize the prompt: {exc}") from None
+            path = "/chat/completions" if chat else "/completions"
+            headers = proxy.upstream_headers(salt, config.upstream_key, config.salt_header)
+            client: httpx.AsyncClient = state["client"]
+            last: APIError | None = None
+            for upstream in router.ranking(salt, ids):   # the best first; the next only if it cannot connect
+                slot = config.upstreams.index(upstream)
+                try:
+                    if body.get("stream"):
+                        resp = await proxy.open_stream(client, upstream.rstrip("/") + path, body, headers)
+                    else:
+                        resp = await proxy.race_disconnect(
+                            request, client.post(upstream.rstrip("/") + path, json=body, headers=headers))
+                        if resp is None:    # the client hung up: the upstream call was cancelled
+                            return Response(status_code=499)
+                except httpx.ConnectError as exc:
+                    upstream_errors.labels(upstream=str(slot), code="connect").inc()
+                    last = proxy.upstream_error(exc, upstream)
+                    continue
+                except httpx.HTTPError as exc:
+                    upstream_errors.labels(upstream=str(slot), code=type(exc).__name__).inc()
+                    raise proxy.upstream_error(exc, upstream) from None
+                if body.get("stream") and resp.status_code == 200:
+                    handed_off = True
+
+                    async def cleanup(resp=resp):
+                        await resp.aclose()
+                        lease.release()
+                    return GuardedStreamingResponse(
+                        proxy.relay(resp, lambda u, slot=slot: finish(who, ids, slot, 200, u)), cleanup,
+                        media_type=resp.headers.get("content-type", "text/event-stream"), headers=proxy.STREAM_HEADERS)
+                if body.get("stream"):
+                    await resp.aread()
+                    await resp.aclose()
+                try:
+                    payload = resp.json()
+                except ValueError:
+                    payload = None
+                finish(who, ids, slot, resp.status_code, (payload or {}).get("usage") if isinstance(payload, dict) else None)
+                if payload is None:
+                    return Response(resp.content, status_code=resp.status_code,
+                                    media_type=resp.headers.get("content-type"))
+                return JSONResponse(payload, status_code=resp.status_code)
+            raise last or APIError(502, "no upstream available; the request was not served", "server_error",
+                                   code="upstream_unavailable")
+        finally:
+            if not handed_off:
+                lease.release()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handle(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handle(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        identity_of(request)
+        headers = proxy.upstream_headers("-", config.upstream_key, False)
+        for upstream in config.upstreams:
+            try:
+                r = await state["client"].get(upstream.rstrip("/") + "/models", headers=headers)
+            except httpx.HTTPError:
+                continue
+            if r.status_code == 200:
+                return JSONResponse(r.json())
+        raise APIError(502, "no upstream answered GET /models", "server_error", code="upstream_unavailable")
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "upstreams": len(config.upstreams)}
+
+    @app.get("/metrics")
+    async def prometheus(request: Request):
+        operator(request)
+        data, content_type = metrics.render()
+        return Response(data, media_type=content_type)
+
+    @app.get("/admin/findings")
+    async def findings(request: Request):
+        operator(request)
+        if trail is None:
+            raise APIError(404, "no trail: start the gateway with a tokenizer", "not_found_error")
+        found = await asyncio.to_thread(trail.findings)
+        return {"findings": [{"kind": f.kind, "tenant": f.tenant, "detail": f.detail,
+                              "requests": list(f.request_ids)} for f in found]}
+
+    return app

@@ -9,7 +9,7 @@ Every physical block is in exactly one of the states of :mod:`~minikv.engine.lif
 * **used**   -- ``ref_count > 0``: in the block table of one or more running sequences;
 * **cached** -- ``ref_count == 0`` but registered in ``hash_table``: its K/V are kept so that a
   later request with the same prefix (in the same isolation domain) can *hit* it; these are the
-  *evictable* blocks, in LRU order in ``cached``;
+  *evictable* blocks, in LRU order in ``cached`` (a :class:`~minikv.engine.lru.CachedLRU`);
 * **free**   -- ``ref_count == 0`` and unregistered: on ``free_ids``, contents meaningless.
 
 Cached blocks are evicted lazily, least recently used first, only when a request needs a block
@@ -19,6 +19,13 @@ With a per-tenant quota (``max_cached_per_tenant``), a tenant keeps at most that
 blocks (its oldest go first when it stores more), and a tenant that needs a block recycles its
 own cached blocks before the LRU takes anyone else's: prime-and-probe (lesson 10).
 
+Two requests with the same prefix admitted in one step both compute it; ``commit`` keeps one
+copy and frees the other (see its docstring), so a repeat of the batch hits every shared block.
+
+Every bookkeeping path is linear: a block is hashed once, a hit verifies one block's tokens, and
+``commit`` visits only the blocks the last step filled.  ``work`` counts the tokens each of them
+touched, so tests can check the scaling by counting, not timing.
+
 Each state change is announced to ``listeners`` as ``(transition, block_ids, seq)``, with a
 :class:`~minikv.engine.lifecycle.Transition`; the engine's listener turns it into a scrub and an
 audit record (``LLMEngine._on_block_event``).  An ``evict`` names the sequence that caused it
@@ -27,11 +34,12 @@ audit record (``LLMEngine._on_block_event``).  An ``evict`` names the sequence t
 """
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable
 
 from .lifecycle import BlockIdentity, Transition, VerifyHits
+from .lru import CachedLRU
 from .sequence import Sequence
 
 
@@ -65,7 +73,7 @@ class BlockManager:
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_ids: deque[int] = deque(range(num_blocks))
-        self.cached: OrderedDict[int, None] = OrderedDict()  # the evictable blocks, LRU order, oldest first
+        self.cached = CachedLRU()  # the evictable blocks, LRU order, oldest first, indexed by tenant
         self.hash_table: dict[bytes, int] = {}
         self.hasher = hasher
         self.enable_caching = enable_caching and hasher is not None
@@ -73,7 +81,11 @@ class BlockManager:
         self.verify_hits = VerifyHits.of(verify_hits)
         self.max_cached_per_tenant = max_cached_per_tenant
         self.listeners: list[Callable] = []
+        self._registered: Counter = Counter()  # writer tenant -> its blocks in the hash table (quota)
         self.num_hits = self.num_lookups = self.num_rejected_hits = 0
+        self.num_deduplicated = 0  # duplicate blocks freed by commit (their twin was adopted)
+        # Tokens touched: "hashed" (block_hash), "verified" (hit checks), "committed" (commit).
+        self.work: Counter = Counter()
 
     # ---------------------------------------------------------------- bookkeeping helpers
     @property
@@ -96,6 +108,7 @@ class BlockManager:
         while len(seq.block_hashes) <= i:
             j = len(seq.block_hashes)
             parent = seq.block_hashes[j - 1] if (j > 0 and self.chain_hashes) else None
+            self.work["hashed"] += self.block_size
             seq.block_hashes.append(self.hasher(parent, seq.block_tokens(j, self.block_size),
                                                 (), seq.domain_key(j, self.block_size)))
         return seq.block_hashes[i]
@@ -123,6 +136,7 @@ class BlockManager:
             if bid is None:
                 break
             block = self.blocks[bid]
+            self.work["verified"] += self.block_size
             if not block.identity.admits(self.identity(seq, i, parent), self.verify_hits):
                 self.num_rejected_hits += 1  # a hash match alone is no proof: hashes collide (lesson 06)
                 break
@@ -147,7 +161,7 @@ class BlockManager:
             self._hold(self.blocks[bid], seq)
         self.emit(Transition.HIT, hits, seq)
         seq.block_table = list(hits)
-        seq.num_computed_tokens = len(hits) * self.block_size
+        seq.num_computed_tokens = seq.num_committed_tokens = len(hits) * self.block_size
         if seq.num_cached_tokens is None:
             seq.num_cached_tokens = seq.num_computed_tokens
         self._allocate_fresh(seq, num_needed - len(hits))
@@ -177,17 +191,17 @@ class BlockManager:
 
     def _hold(self, block: Block, seq: Sequence) -> None:
         if block.ref_count == 0:
-            self.cached.pop(block.block_id, None)
+            self.cached.pop(block.block_id)
         block.ref_count += 1
 
     def _take_free_block(self, seq: Sequence) -> int:
         if self.free_ids:
             return self.free_ids.popleft()
-        victim = next(iter(self.cached))
+        victim = self.cached.oldest()
         if self.max_cached_per_tenant is not None:
             # With quotas on, a tenant recycles its own cache before anyone else's, so its
             # load cannot flush a neighbour's blocks (the prime-and-probe side channel).
-            own = next((b for b in self.cached if self.blocks[b].writer_tenant == seq.tenant), None)
+            own = self.cached.oldest_of(seq.tenant)
             victim = own if own is not None else victim
         # The event names ``seq``, the request whose allocation forced the eviction, so the
         # audit trail can tell who keeps evicting whom (the block itself names its writer).
@@ -200,48 +214,84 @@ class BlockManager:
         self.cached.pop(bid, None)
         self.emit(Transition.EVICT, [bid], seq)  # listeners still see the hash being dropped
         del self.hash_table[block.hash]
+        self._count_registered(block.writer_tenant, -1)
         block.hash = block.identity = None
         self.free_ids.append(bid)
 
     # ---------------------------------------------------------------- after a model step
     def commit(self, seq: Sequence) -> None:
-        """Record K/V written by the last step; register newly full blocks in the hash table."""
-        for i, bid in enumerate(seq.block_table):
-            filled = min(self.block_size, max(0, seq.num_computed_tokens - i * self.block_size))
-            self.blocks[bid].num_tokens = max(self.blocks[bid].num_tokens, filled)
+        """Record K/V written by the last step; register the blocks it filled.
+
+        Only the blocks the step wrote are visited -- from ``seq.num_committed_tokens`` (where
+        the last commit stopped) to ``seq.num_computed_tokens`` -- so a step costs O(new blocks);
+        visiting the whole block table would make a long decode quadratic.
+
+        A newly full block whose hash is already registered is a *duplicate*: typically two
+        requests with the same prefix admitted in the same step, both computing it.  When the
+        registered twin has exactly this block's identity (tokens, parent block, domain), the
+        sequence adopts the twin (a ``hit``) and frees its own copy, so its later blocks chain
+        onto the twin and a later request with this prefix can hit all of them.  Keeping the
+        copy private instead would leave every later block with a parent nobody else holds:
+        each later lookup would fail the parent check (a "rejected hit" without any attack).
+        A twin with another identity is a hash collision: the copy stays private, as it must."""
+        bs, start, end = self.block_size, seq.num_committed_tokens, seq.num_computed_tokens
+        for i in range(start // bs, -(-end // bs)):
+            block = self.blocks[seq.block_table[i]]
+            block.num_tokens = max(block.num_tokens, min(bs, end - i * bs))
+            self.work["committed"] += bs
+        seq.num_committed_tokens = max(start, end)
         if not (self.enable_caching and seq.cacheable):
             return
-        stored = []
-        for i in range(seq.num_computed_tokens // self.block_size):
+        stored, adopted, released = [], [], []
+        for i in range(start // bs, end // bs):
             block = self.blocks[seq.block_table[i]]
             if block.hash is not None:
-                continue
+                continue  # a hit: registered already
             h = self.block_hash(seq, i)
-            if h in self.hash_table:
-                continue  # an identical block is already cached; keep this one private
-            block.hash = h
-            block.identity = self.identity(seq, i, self.blocks[seq.block_table[i - 1]].ref if i else None)
-            block.public = seq.block_is_public(i, self.block_size)
-            self.hash_table[h] = block.block_id
-            stored.append(block.block_id)
+            identity = self.identity(seq, i, self.blocks[seq.block_table[i - 1]].ref if i else None)
+            twin = self.blocks[self.hash_table[h]] if h in self.hash_table else None
+            if twin is None:
+                block.hash, block.identity = h, identity
+                block.public = seq.block_is_public(i, bs)
+                self.hash_table[h] = block.block_id
+                self._count_registered(block.writer_tenant, +1)
+                stored.append(block.block_id)
+            elif twin.identity == identity and block.ref_count == 1:  # never a verify_hits shortcut
+                self._hold(twin, seq)
+                seq.block_table[i] = twin.block_id
+                block.ref_count = 0  # unregistered, so held by this sequence alone
+                self.free_ids.append(block.block_id)
+                adopted.append(twin.block_id)
+                released.append(block.block_id)
+        self.num_deduplicated += len(released)
+        self.emit(Transition.HIT, adopted, seq)
+        self.emit(Transition.FREE, released, seq)
         self.emit(Transition.STORE, stored, seq)
         if stored:  # a tenant's cached count grows only here; free() re-checks when blocks idle
             self._enforce_quota(seq.tenant, seq)
 
     def evict_cached(self, tenant=ALL_TENANTS) -> int:
         """Evict every cached block (only ``tenant``'s, if given); return how many."""
-        ids = [b for b in self.cached if tenant is ALL_TENANTS or self.blocks[b].writer_tenant == tenant]
+        ids = list(self.cached) if tenant is ALL_TENANTS else self.cached.of(tenant)
         for bid in ids:
             self._evict(bid, None)
         return len(ids)
 
     def _enforce_quota(self, tenant: str | None, seq: Sequence | None) -> None:
+        """Evict ``tenant``'s oldest cached blocks while it has more registered than its quota
+        (its used blocks count, but only cached ones can go).  O(blocks evicted)."""
         if self.max_cached_per_tenant is None:
             return
-        mine = [b for b in self.hash_table.values() if self.blocks[b].writer_tenant == tenant]
-        excess = len(mine) - self.max_cached_per_tenant
-        for bid in [b for b in self.cached if self.blocks[b].writer_tenant == tenant][:max(0, excess)]:
-            self._evict(bid, seq)
+        while self._registered[tenant] > self.max_cached_per_tenant:
+            victim = self.cached.oldest_of(tenant)
+            if victim is None:
+                break
+            self._evict(victim, seq)
+
+    def _count_registered(self, tenant: str | None, delta: int) -> None:
+        self._registered[tenant] += delta
+        if not self._registered[tenant]:
+            del self._registered[tenant]  # tenants come and go; keep no zero entries
 
     def free(self, seq: Sequence) -> None:
         """Let go of ``seq``'s blocks (finish, abort or preemption).  A block whose last holder
@@ -253,16 +303,30 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 if block.hash is not None:
-                    self.cached[bid] = None  # most recently used goes last
+                    self.cached.add(bid, block.writer_tenant)  # most recently used goes last
                     cached.append(bid)
                 else:
                     self.free_ids.append(bid)
                     freed.append(bid)
         seq.block_table = []
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_committed_tokens = 0
         self.emit(Transition.FREE, freed, seq)
         self.emit(Transition.CACHE, cached, seq)
         self._enforce_quota(seq.tenant, seq)
+
+    def rekey(self, bid: int, new_hash: bytes, identity: BlockIdentity, public: bool,
+              transition: Transition, seq: Sequence | None) -> bool:
+        """Move registered block ``bid`` into another isolation domain under ``new_hash``: same
+        K/V, holders, writer and state (selective sharing's ``promote`` and ``isolate``,
+        :mod:`~minikv.engine.sharing`).  False, changing nothing, when ``new_hash`` is taken."""
+        block = self.blocks[bid]
+        if block.hash is None or new_hash in self.hash_table:
+            return False
+        del self.hash_table[block.hash]
+        block.hash, block.identity, block.public = new_hash, identity, public
+        self.hash_table[new_hash] = bid
+        self.emit(transition, [bid], seq)
+        return True
 
     # ---------------------------------------------------------------- inspection
     def check_invariants(self, seqs: list[Sequence]) -> None:
@@ -282,3 +346,8 @@ class BlockManager:
             if b.hash is not None:
                 assert self.hash_table.get(b.hash) == b.block_id, f"block {b.block_id} hash not indexed"
         assert len(self.hash_table) == sum(b.hash is not None for b in self.blocks)
+        registered = Counter(b.writer_tenant for b in self.blocks if b.hash is not None)
+        assert self._registered == registered, f"registered counts {self._registered} != {registered}"
+        self.cached.check()
+        for bid in self.cached:
+            assert self.cached.tenant_of(bid) == self.blocks[bid].writer_tenant, f"block {bid} filed under another tenant"

@@ -38,6 +38,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, in order
     num_computed_tokens: int = 0  # tokens whose K/V are in the pool
+    num_committed_tokens: int = 0  # of those, how many BlockManager.commit has recorded (its watermark)
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
     num_preemptions: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
@@ -48,10 +49,20 @@ class Sequence:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
+    _token_ids: list[int] = field(default_factory=list, init=False, repr=False)
 
     @property
     def token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt then output tokens, as one list.  Read-only.
+
+        It is kept, not rebuilt: each read appends only the outputs added since the last one
+        (outputs only grow).  Concatenating on every read would cost O(length) per read, and
+        hashing, hit checks and the model runner read it once per block: O(length^2) per prompt."""
+        ids, n_prompt = self._token_ids, len(self.prompt_token_ids)
+        if not n_prompt <= len(ids) <= n_prompt + len(self.output_token_ids):  # first read, or outputs shrank
+            ids[:] = self.prompt_token_ids
+        ids.extend(self.output_token_ids[len(ids) - n_prompt:])
+        return ids
 
     @property
     def num_tokens(self) -> int:

@@ -371,3 +371,24 @@ def test_fleet_figures_refuse_mismatched_data():
         plot_prime_and_probe([0, 1], {"none": [3]})
     with pytest.raises(ValueError, match="num_instances must be 1..5"):
         draw_fleet(0)
+
+
+# ---- explanatory diagrams (minikv/viz/diagrams.py) -----------------------------------------------
+def test_diagrams_draw_their_parts():
+    from minikv.viz.diagrams import draw_block_lifecycle, draw_causal_attention, draw_gqa, draw_threat_model
+    assert "threat model" in draw_threat_model().axes[0].get_title(loc="left")
+    fig = draw_causal_attention(5)
+    titles = [ax.get_title() for ax in fig.axes]
+    assert titles == ["without a cache: 15 query-key pairs at step 5", "with a KV cache: 5 query-key pairs at step 5"]
+    texts = [t.get_text() for t in draw_gqa(8, 2).axes[0].texts]
+    assert sum(t.startswith("kv") for t in texts) == 2 and sum(t.startswith("q") for t in texts) == 8
+    labels = [t.get_text() for t in draw_block_lifecycle().axes[0].texts]
+    assert any(t.startswith("evict") for t in labels) and {"free", "used", "cached"} <= set(labels)
+
+
+def test_diagrams_refuse_impossible_shapes():
+    from minikv.viz.diagrams import draw_causal_attention, draw_gqa
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        draw_gqa(9, 2)
+    with pytest.raises(ValueError, match="steps must be at least 2"):
+        draw_causal_attention(1)

@@ -392,3 +392,26 @@ def test_diagrams_refuse_impossible_shapes():
         draw_gqa(9, 2)
     with pytest.raises(ValueError, match="steps must be at least 2"):
         draw_causal_attention(1)
+
+
+# ---- cost charts (minikv/viz/costs.py) -------------------------------------------------------------
+def test_cost_charts_plot_the_given_numbers():
+    from minikv.viz.costs import plot_decode_cost, plot_published_vs_measured
+    fig = plot_decode_cost([10, 11, 12], [0.001, 0.001, 0.002], [0.004, 0.005, 0.006])
+    work, time = fig.axes
+    assert list(work.lines[1].get_ydata()) == [10, 11, 12]
+    assert list(time.lines[1].get_ydata()) == pytest.approx([4.0, 5.0, 6.0])
+    fig = plot_published_vs_measured([("paper (Table 1)", 0.9, False), ("measured here", 0.6, True)],
+                                     xlabel="AUC", title="t", reference=0.5)
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["paper (Table 1)", "measured here"]
+    assert [p.get_width() for p in ax.patches] == [0.9, 0.6]
+    assert ax.patches[0].get_facecolor() != ax.patches[1].get_facecolor()
+
+
+def test_cost_charts_refuse_bad_input():
+    from minikv.viz.costs import plot_decode_cost, plot_published_vs_measured
+    with pytest.raises(ValueError, match="one of each per step"):
+        plot_decode_cost([1, 2], [0.1], [0.1, 0.2])
+    with pytest.raises(ValueError, match="rows is empty"):
+        plot_published_vs_measured([], xlabel="x", title="t")

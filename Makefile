@@ -18,7 +18,7 @@ MODEL := smollm2-135m-instruct
 NOTEBOOKS := $(wildcard course/*.ipynb)
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
-.PHONY: setup upgrade-deps model chromium course test test-py test-nb grade bench clean vllm vllm-start vllm-stop
+.PHONY: setup upgrade-deps model chromium course test test-py test-nb grade bench clean vllm vllm-start vllm-stop gu-data
 
 setup:
 	@$(PYTHON) scripts/bootstrap.py
@@ -73,6 +73,12 @@ grade: model
 
 bench: model
 	$(PY) -m minikv.bench
+
+# Gu et al.'s released timing data (lesson 09, tests/test_audit_gu.py): downloaded from the authors'
+# repository at a pinned commit into $MINIKV_HOME and sha256-checked. Not part of `test`/`course`
+# (CI machines cannot reach GitHub; CI has its own copy in shared/data/).
+gu-data: setup
+	$(PY) -m minikv.audit.gu_data
 
 clean:
 	rm -rf .venv build dist *.egg-info out .pytest_cache

@@ -78,10 +78,17 @@ def _cmd_timing(args: argparse.Namespace) -> int:
 
 def _cmd_gu(args: argparse.Namespace) -> int:
     from .gu import find_gu_zip, gu_table, gu_verdicts
+    from .gu_data import ATTRIBUTION, GU_URL, GuDataError, fetch_gu_data
 
+    if args.fetch:   # the authors' file at the pinned commit, sha256-checked, into $MINIKV_HOME/data/
+        try:
+            print(f"fetched: {fetch_gu_data(args.url or GU_URL, progress=not args.no_progress)}")
+        except GuDataError as exc:
+            return _err(str(exc))
     path = args.zip or find_gu_zip()
     if path is None:
-        return _err("gu-audit-data.zip not found: pass --zip or set $MINIKV_SHARED")
+        return _err("gu-audit-data.zip not found: run `minikv audit gu --fetch`, pass --zip or set $MINIKV_SHARED")
+    print(ATTRIBUTION)
     try:
         verdicts = gu_verdicts(path, alpha=args.alpha, bonferroni=args.bonferroni)
     except (OSError, ValueError, KeyError) as exc:
@@ -134,7 +141,12 @@ def _add_timing(sub: argparse._SubParsersAction) -> None:
 
 def _add_gu(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("gu", help="recompute Gu et al.'s verdicts from their released timings")
-    p.add_argument("--zip", help="path to gu-audit-data.zip (default: $MINIKV_SHARED or shared/data/)")
+    p.add_argument("--zip", help="path to gu-audit-data.zip (default: $MINIKV_SHARED, then $MINIKV_HOME/data/, "
+                                 "then shared/data/)")
+    p.add_argument("--fetch", action="store_true",
+                   help="first download the authors' audit-data.zip (pinned commit, sha256-checked) into $MINIKV_HOME")
+    p.add_argument("--url", help="with --fetch: a mirror of that file (its sha256 must still match)")
+    p.add_argument("--no-progress", action="store_true", help="with --fetch: no progress bar")
     p.add_argument("--alpha", type=float, default=1e-8)
     p.add_argument("--bonferroni", action="store_true", help="correct alpha for configurations per cell")
     p.add_argument("--detail", action="store_true", help="one line per configuration")

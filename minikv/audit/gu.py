@@ -1,7 +1,7 @@
 """Validate minikv's audit statistics on the data released by Gu et al. (ICML 2025).
 
-Gu, Li, Cheng, Liang, Wang, Hashimoto, "Auditing Prompt Caching in Language Model APIs" measured
-17 API providers.  For every (provider, model, sharing level, prompt fraction, victim count) they
+Chenchen Gu, Xiang Lisa Li, Rohith Kuditipudi, Percy Liang and Tatsunori Hashimoto, "Auditing Prompt
+Caching in Language Model APIs" (ICML 2025, arXiv:2502.07776), measured 17 API providers.  For every (provider, model, sharing level, prompt fraction, victim count) they
 stored 250 "cache hit" and 250 "cache miss" client-side response times.  Re-deriving their
 verdicts from the raw times is the strongest check that ``minikv.audit.stats`` uses the right
 test, the right sidedness and the right significance level.
@@ -29,6 +29,10 @@ on the released data, changes nothing (the tests check this).
 Every p-value here is recomputed from the raw ``client_time`` samples.  The files also carry a
 ``stats`` block with the authors' own statistics; this module never reads it (a test corrupts it
 to prove so).
+
+The data is the authors' (see :data:`minikv.audit.gu_data.ATTRIBUTION`); minikv does not ship it.
+``minikv audit gu --fetch`` downloads it from their repository at a pinned commit and checks its
+sha256 (:mod:`minikv.audit.gu_data`).
 """
 from __future__ import annotations
 
@@ -39,9 +43,9 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from .gu_data import ZIP_NAME, cached_gu_zip
 from .stats import GU_ALPHA, AuditResult, audit_samples
 
-ZIP_NAME = "gu-audit-data.zip"
 LEVELS = ("per_user", "per_org", "global")
 LEVEL_MEANING = {
     "per_user": "same API key primes and measures (any prompt caching at all)",
@@ -53,10 +57,11 @@ LEVEL_MEANING = {
 def find_gu_zip(start: str | os.PathLike | None = None) -> Path | None:
     """Locate ``gu-audit-data.zip``; return None when it is not available.
 
-    Order: ``$MINIKV_SHARED`` (the shared folder, its ``data/`` folder, or the zip itself), then
-    ``shared/data/`` in ``start`` (default: this package, then the working directory) or any of
-    its parents.  Walking up finds both a ``shared/`` inside the checkout and the CI layout
-    where it sits next to the repo.
+    Order: ``$MINIKV_SHARED`` (the shared folder, its ``data/`` folder, or the zip itself); then the
+    copy ``minikv audit gu --fetch`` downloaded into ``$MINIKV_HOME/data/``; then ``shared/data/``
+    in ``start`` (default: this package, then the working directory) or any of its parents.
+    Walking up finds both a ``shared/`` inside the checkout and the CI layout where it sits next
+    to the repo.
     """
     env = os.environ.get("MINIKV_SHARED")
     if env:
@@ -64,6 +69,8 @@ def find_gu_zip(start: str | os.PathLike | None = None) -> Path | None:
         for cand in (p, p / ZIP_NAME, p / "data" / ZIP_NAME):
             if cand.is_file():
                 return cand
+    if cached_gu_zip().is_file():   # only a verified download is ever renamed into place
+        return cached_gu_zip()
     starts = [Path(start)] if start is not None else [Path(__file__).resolve().parent, Path.cwd()]
     for here in starts:  # the cwd covers a non-editable install run from the checkout
         for d in (here, *here.parents):
@@ -125,7 +132,8 @@ def load_gu_runs(zip_path: str | os.PathLike | None = None) -> list[GuRun]:
     path = Path(zip_path) if zip_path is not None else find_gu_zip()
     if path is None or not Path(path).is_file():
         raise FileNotFoundError(
-            f"{ZIP_NAME} not found (looked at {zip_path or '$MINIKV_SHARED and shared/data/ above the repo'})"
+            f"{ZIP_NAME} not found (looked at {zip_path or '$MINIKV_SHARED, $MINIKV_HOME/data/ and shared/data/'}); "
+            "run `minikv audit gu --fetch` (or `make gu-data`) to download it from the authors' repository"
         )
     runs = []
     with zipfile.ZipFile(path) as zf:

@@ -25,6 +25,7 @@ from .block_manager import ALL_TENANTS, BlockManager
 from .chat import encode_text
 from .checks import as_int, show
 from .config import EngineConfig, resolve_device
+from .detokenizer import detokenize, flush
 from .kv_pool import KVPool, bytes_per_token
 from .lifecycle import LIFECYCLE, Transition
 from .loader import eos_token_ids, resolve_dtype
@@ -275,8 +276,13 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
         return outputs
 
     def _check_stop(self, seq: Sequence, tok: int) -> str | None:
-        seq.output_text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-        return stop_reason(seq, tok, self.eos_token_ids, self.max_model_len)
+        """Detokenize the new token (incrementally, ``detokenizer.py``), then ask whether to stop."""
+        new = detokenize(self.tokenizer, seq)
+        text_len = len(seq.output_text)
+        reason = stop_reason(seq, tok, self.eos_token_ids, self.max_model_len, new_chars=len(new))
+        if reason and len(seq.output_text) == text_len:  # not cut at a stop string: print all
+            flush(self.tokenizer, seq)
+        return reason
 
     # ------------------------------------------------------------------ inspection
     def score(self, token_ids: list[int]) -> torch.Tensor:

@@ -124,14 +124,20 @@ def sample_row(row: torch.Tensor, p: SamplingParams, generator: torch.Generator 
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
-def stop_reason(seq: "Sequence", tok: int, eos_ids: set[int], max_model_len: int) -> str | None:
+def stop_reason(seq: "Sequence", tok: int, eos_ids: set[int], max_model_len: int,
+                new_chars: int | None = None) -> str | None:
     """Why ``seq`` stops after its new token ``tok`` ("stop", "length"), or None to go on.
-    A stop string cuts ``seq.output_text`` (already detokenized) where it starts."""
+    A stop string cuts ``seq.output_text`` (already detokenized) where it starts.
+
+    ``new_chars``: how many characters at the end of the text are new this step.  Only they,
+    and the ``len(stop) - 1`` before them that a stop string may straddle, are searched, so a
+    step costs O(new text), not O(output); None searches everything."""
     p = seq.params
     if (not p.ignore_eos and tok in eos_ids) or tok in p.stop_token_ids:
         return "stop"
+    text = seq.output_text
     for s in p.stop_strings:
-        idx = seq.output_text.find(s)
+        idx = text.find(s, 0 if new_chars is None else max(0, len(text) - new_chars - len(s) + 1))
         if idx >= 0:
             seq.output_text = seq.output_text[:idx]
             return "stop"

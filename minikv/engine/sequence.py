@@ -45,6 +45,7 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None  # why it failed, when finish_reason == "error" (see step_guard.py)
     output_text: str = ""
+    detok_offsets: tuple[int, int] = (0, 0)  # where detokenizer.detokenize's window starts, what it printed
     generator: object = None
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None

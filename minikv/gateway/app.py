@@ -204,7 +204,7 @@ def create_gateway_app(config: GatewayConfig, keys: GatewayKeys, *, operator_key
                     payload = resp.json()
                 except ValueError:
                     payload = None
-                finish(who, ids, slot, resp.status_code, (payload or {}).get("usage") if isinstance(payload, dict) else None)
+                finish(who, ids, slot, resp.status_code, payload.get("usage") if isinstance(payload, dict) else None)
                 if payload is None:
                     return Response(resp.content, status_code=resp.status_code,
                                     media_type=resp.headers.get("content-type"))

@@ -1,0 +1,97 @@
+"""Helpers shared by the gateway tests: a gateway in a thread, a recording fake upstream,
+and one completion call that returns (status, cached_tokens)."""
+from __future__ import annotations
+
+import asyncio
+import secrets
+import threading
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+from minikv.gateway.app import GatewayConfig, create_gateway_app
+from minikv.gateway.oversight import GatewayTrail, PromptTokens
+from minikv.gateway.salt import GatewayKeys
+from minikv.serve.auth import ApiKeys
+from minikv.serve.background import BackgroundServer
+from minikv.serve.limits import ServeLimits
+
+OPERATOR = {"sk-op": "ops"}
+
+
+def start_gateway(upstreams, keys: dict, *, model_dir=None, block_size: int = 16, trail_path=None,
+                  limits: ServeLimits | None = None, upstream_key: str | None = None, **config) -> BackgroundServer:
+    """A gateway in a background thread; ``srv.secret``, ``srv.trail``, ``srv.keys`` for checks."""
+    secret = secrets.token_bytes(32)
+    tokens = PromptTokens(model_dir) if model_dir is not None else None
+    trail = GatewayTrail(secret, block_size, trail_path) if tokens is not None else None
+    cfg = GatewayConfig(upstreams=tuple(upstreams), secret=secret, upstream_key=upstream_key,
+                        limits=limits or ServeLimits(), prefix_tokens=block_size, **config)
+    gkeys = GatewayKeys(ApiKeys(keys), cfg.salt_scope)
+    srv = BackgroundServer(create_gateway_app(cfg, gkeys, operator_keys=ApiKeys(OPERATOR), tokens=tokens,
+                                              trail=trail)).start()
+    srv.secret, srv.trail, srv.keys = secret, trail, gkeys
+    return srv
+
+
+def complete(base_url: str, key: str | None, prompt, max_tokens: int = 1, timeout: float = 120.0, **extra):
+    """POST /completions; returns (status, cached_tokens or None, json or text)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    headers.update(extra.pop("headers", {}))
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+    r = httpx.post(f"{base_url}/completions", json=body, headers=headers, timeout=timeout)
+    try:
+        payload = r.json()
+    except ValueError:
+        return r.status_code, None, r.text
+    details = ((payload.get("usage") or {}).get("prompt_tokens_details") or {}) if isinstance(payload, dict) else {}
+    return r.status_code, details.get("cached_tokens"), payload
+
+
+def fake_upstream(model: str = "fake", stream_chunks: int = 1000, chunk_delay: float = 0.01):
+    """An OpenAI-shaped upstream that records every request (body + headers) and whether a
+    stream was cancelled.  ``srv.seen`` (list of (path, headers, body)), ``srv.cancelled``."""
+    app = FastAPI()
+    seen: list = []
+    cancelled = threading.Event()
+    started = threading.Event()
+
+    def usage(body):
+        return {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4,
+                "prompt_tokens_details": {"cached_tokens": 0}}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model, "object": "model", "owned_by": "fake"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        seen.append(("/v1/completions", dict(request.headers), body))
+        if body.get("prompt") == "slow":     # like vLLM: a whole-answer request watches its client
+            started.set()
+            for _ in range(300):
+                if await request.is_disconnected():
+                    cancelled.set()
+                    return {}
+                await asyncio.sleep(0.1)
+        if not body.get("stream"):
+            return {"id": "x", "object": "text_completion", "model": model,
+                    "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}], "usage": usage(body)}
+
+        async def events():
+            try:
+                for i in range(stream_chunks):
+                    started.set()
+                    yield f'data: {{"choices": [{{"index": 0, "text": "t{i}"}}]}}\n\n'
+                    await asyncio.sleep(chunk_delay)
+                yield "data: [DONE]\n\n"
+            except (asyncio.CancelledError, GeneratorExit):
+                cancelled.set()
+                raise
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    srv = BackgroundServer(app).start()
+    srv.seen, srv.cancelled, srv.started = seen, cancelled, started
+    return srv

@@ -220,3 +220,11 @@ def test_widgets_are_ignored_and_have_a_static_twin(name):
         assert "nbval-ignore-output" in tags(c), f"{name} cell {i}: widget output must be ignored by nbval"
         rest = [x for x in nb.cells[i + 1:] if x.cell_type == "code"]
         assert rest and "draw_frames_strip" in rest[0].source, f"{name} cell {i}: no static twin follows"
+
+
+@pytest.mark.parametrize("page", ["CHEATSHEET.md", "GLOSSARY.md", "INSTRUCTORS.md", "../README.md"])
+def test_reference_pages_cite_only_what_references_lists(page):
+    """The checklist, glossary, instructor notes and README carry ids too; each must have an entry."""
+    listed = citation_ids((COURSE / "REFERENCES.md").read_text())
+    missing = sorted(citation_ids((COURSE / page).read_text()) - listed)
+    assert not missing, f"{page} cites {missing}, which course/REFERENCES.md does not list"

@@ -228,3 +228,10 @@ def test_reference_pages_cite_only_what_references_lists(page):
     listed = citation_ids((COURSE / "REFERENCES.md").read_text())
     missing = sorted(citation_ids((COURSE / page).read_text()) - listed)
     assert not missing, f"{page} cites {missing}, which course/REFERENCES.md does not list"
+
+
+@pytest.mark.parametrize("name", ALL_LESSONS)
+def test_lesson_links_the_glossary(name):
+    """Each lesson links the first use of the terms it introduces to course/GLOSSARY.md."""
+    md = "\n".join(c.source for c in load(name).cells if c.cell_type == "markdown")
+    assert any(target == "GLOSSARY.md" for target, _ in _LINK.findall(md)), f"{name}: no link into GLOSSARY.md"

@@ -77,6 +77,7 @@ class Finding:
     tenant: str | None  # the tenant whose behaviour is flagged (the reader, for hits)
     detail: str
     request_ids: tuple[str, ...]
+    prefix_fp: str | None = None  # probing: the fingerprint of the prefix being enumerated
 
 
 def load_trail(path: str | os.PathLike, *, rotated: bool = True) -> list[dict]:
@@ -227,7 +228,7 @@ def _probing(requests: list[dict], threshold: int, block_size: int, label) -> li
                 "probing", tenant,
                 f"{len(members)} requests ({distinct} distinct) share a {depth}-block prefix and differ "
                 f"only in the next tokens, lengths {min(lengths)}-{max(lengths)} tokens{also}",
-                tuple(label(m) for m in members)))
+                tuple(label(m) for m in members), prefix_fp=fp))
     return out
 
 

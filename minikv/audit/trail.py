@@ -206,6 +206,14 @@ class AuditTrail:
         else:
             self._block_records("scrub", [(bid, None, {}) for bid in block_ids], seq, hook=hook)
 
+    def sharing(self, decision: str, *, fps=(), **fields) -> None:
+        """A selective-sharing decision (``minikv.engine.sharing``): ``promote``, ``flag`` or
+        ``isolate``, at any level, as one ``sharing`` record.  ``fps`` are the engine's content
+        fingerprints (hex); the trail writes them re-keyed with the operator key, like every
+        fingerprint here.  ``fields``: strategy, tenant, counts, a reason -- never prompt text."""
+        self.record("sharing", decision=decision, fps=[self.fingerprint(bytes.fromhex(fp)) for fp in fps],
+                    **fields)
+
     def finish(self, seq) -> None:
         """``seq`` finished or was aborted (its blocks are already released)."""
         if self.level == "request":

@@ -13,6 +13,7 @@ import argparse
 
 from .config import CACHE_ISOLATION, DTYPES, HASH_ALGOS
 from .config import SCRUB_POLICIES as SCRUB
+from .config import SHARING_STRATEGIES
 _VERIFY = {"true": "IDENTITY", "false": "NOTHING", "tokens": "TOKENS"}  # --verify-hits -> VerifyHits
 
 
@@ -49,6 +50,12 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = True
                    help="reuse the KV of identical prefix blocks (within the isolation domain)")
     s.add_argument("--cache-isolation", choices=CACHE_ISOLATION,
                    help="tenant (default): hits only within a tenant; request: no reuse; shared: UNSAFE")
+    s.add_argument("--selective-strategy", choices=tuple(n for n in SHARING_STRATEGIES if n != "monitor"),
+                   help="under --cache-isolation selective: k_tenants (default; 'monitor' needs a detector "
+                        "handed in from Python: reuse_monitor=minikv.audit.monitor.DetectorMonitor)")
+    s.add_argument("--selective-k", type=positive_int,
+                   help="k_tenants: distinct tenants that must compute a block before it is shared "
+                        "(default 3; an attacker needs k-1 accounts; 2 is UNSAFE)")
     s.add_argument("--hash-algo", choices=HASH_ALGOS, help="block hash (builtin, trunc32, poly are UNSAFE)")
     s.add_argument("--chain-hashes", action=argparse.BooleanOptionalAction, default=None,
                    help="block keys cover their parent's key (--no-chain-hashes is UNSAFE)")
@@ -71,6 +78,8 @@ _FIELDS = ("model", "device", "dtype", "seed", "block_size", "num_blocks", "max_
            "max_num_batched_tokens", "max_model_len", "kv_cache_memory_gb", "enable_prefix_caching",
            "cache_isolation", "hash_algo", "chain_hashes", "scrub", "max_cached_blocks_per_tenant",
            "audit_log", "audit_level")
+
+_FIELDS += ("selective_strategy", "selective_k")
 
 
 def read_engine_secret(path: str) -> bytes:

@@ -22,8 +22,9 @@ from ..security.hashing import HASHERS, UNSAFE_HASHES
 from ..security.scrub import SCRUBBERS, UNSAFE_SCRUBBERS
 from .checks import as_int, as_real, as_seed, show
 from .lifecycle import VerifyHits
+from .sharing import STRATEGIES as SHARING_STRATEGIES
 
-CACHE_ISOLATION = ("shared", "tenant", "request")
+CACHE_ISOLATION = ("shared", "tenant", "request", "selective")
 SCRUB_POLICIES = tuple(SCRUBBERS)  # the registries' names, in registration order
 HASH_ALGOS = tuple(HASHERS)
 UNSAFE_HASH_ALGOS = tuple(a for a in HASH_ALGOS if a in UNSAFE_HASHES)
@@ -58,7 +59,16 @@ class EngineConfig:
 
     Isolation (see ``minikv.security``)
         cache_isolation: ``"tenant"`` (hits only within a tenant), ``"request"`` (no reuse
-            across requests) or UNSAFE ``"shared"`` (any request hits any cached block).
+            across requests), ``"selective"`` (tenant-keyed, except what ``selective_strategy``
+            shares: ``minikv.engine.sharing``) or UNSAFE ``"shared"`` (any request hits any
+            cached block).
+        selective_strategy: under ``"selective"``, ``"k_tenants"`` (default: content becomes
+            public once ``selective_k`` distinct tenants computed it) or ``"monitor"`` (shared
+            until ``reuse_monitor`` flags a tenant or prefix; UNSAFE before the first flag).
+        selective_k: distinct tenants before promotion (default 3; an attacker needs k-1
+            accounts; UNSAFE 2: one account suffices).
+        reuse_monitor: factory ``reuse_monitor(config) -> ReuseMonitor`` for ``"monitor"``
+            (``minikv.audit.monitor.DetectorMonitor``: the audit detector).
         hash_algo: ``"sha256"``, ``"hmac-sha256"``, ``"blake2b-keyed"``, or UNSAFE
             ``"builtin"``, ``"trunc32"``, ``"poly"``.
         chain_hashes: a block key covers its parent's key; UNSAFE when False.
@@ -112,6 +122,9 @@ class EngineConfig:
     engine_secret: bytes | None = field(default=None, repr=False)
     shared_prefixes: tuple = ()
     max_cached_blocks_per_tenant: int | str | None = None  # None: num_blocks // 8 (see cache_quota)
+    selective_strategy: str = "k_tenants"
+    selective_k: int = 3
+    reuse_monitor: Any = None
     audit_log: str | None = None
     audit_level: str = "request"
     block_hasher: Any = None
@@ -120,6 +133,17 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check_choice("cache_isolation", self.cache_isolation, CACHE_ISOLATION)
         _check_choice("scrub", self.scrub, SCRUB_POLICIES)
+        _check_choice("selective_strategy", self.selective_strategy, tuple(SHARING_STRATEGIES))
+        self.selective_k = as_int("selective_k", self.selective_k)
+        if self.selective_k < 2:
+            raise ValueError(f"selective_k must be >= 2, got {show(self.selective_k)} (k=1 would share "
+                             "every block at once: that is cache_isolation='shared')")
+        if self.reuse_monitor is not None and not callable(self.reuse_monitor):
+            raise TypeError(f"reuse_monitor must be a factory reuse_monitor(config) -> monitor, got "
+                            f"{type(self.reuse_monitor).__name__}")
+        if self.selective_strategy == "monitor" and self.cache_isolation == "selective" and self.reuse_monitor is None:
+            raise ValueError("selective_strategy='monitor' needs reuse_monitor= (a factory; "
+                             "minikv.audit.monitor.DetectorMonitor wraps the audit detector)")
         _check_choice("audit_level", self.audit_level, AUDIT_LEVELS)
         _check_choice("hash_algo", self.hash_algo, HASH_ALGOS)
         self.verify_hits = VerifyHits.of(self.verify_hits)
@@ -203,6 +227,11 @@ class EngineConfig:
             found.append(f"verify_hits={self.verify_hits.value!r}")
         if self.scrub in UNSAFE_SCRUBBERS and self.scrubber is None:
             found.append(f"scrub={self.scrub!r}")
+        if self.enable_prefix_caching and self.cache_isolation == "selective":
+            if self.selective_strategy == "monitor":  # shared until the first flag
+                found.append("selective_strategy='monitor'")
+            elif self.selective_k == 2:  # one attacker account tests any guess
+                found.append("selective_k=2")
         if self.enable_prefix_caching and self.max_cached_blocks_per_tenant == UNLIMITED:
             found.append(f"max_cached_blocks_per_tenant={UNLIMITED!r}")
         return found

@@ -35,6 +35,7 @@ from .sampling import SamplingParams, sample_row, stop_reason
 from .scheduler import Scheduler
 from .seams import EngineSeams
 from .sequence import Sequence, SequenceStatus, common_prefix_len
+from .sharing import make_sharing
 from .snapshot import PoolSnapshot, capture
 
 
@@ -76,6 +77,10 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
             chain_hashes=c.chain_hashes, verify_hits=c.verify_hits,
             max_cached_per_tenant=c.cache_quota(self.num_blocks))
         self.block_manager.listeners.append(self._on_block_event)
+        # cache_isolation="selective": the strategy deciding which blocks leave their tenant's domain
+        self.sharing = make_sharing(c, self.block_manager, self._secret, self.tenant_key, self._decision)
+        if self.sharing is not None:
+            self.block_manager.listeners.append(self.sharing.on_block_event)
         # Fingerprints in the trail are keyed with the operator key; a fork inherits it (``fork``).
         self._operator_key = derive_operator_key(self._secret)
         self.audit = open_trail(c, self._operator_key) if open_trail is not None else None
@@ -175,9 +180,11 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
     def _new_sequence(self, request_id, ids, text, params, tenant) -> Sequence:
         iso = self.config.cache_isolation
         seq = Sequence(request_id, ids, params, tenant=tenant, prompt=text,
-                       tenant_key=self.tenant_key(tenant) if iso == "tenant" else None,
+                       tenant_key=self.tenant_key(tenant) if iso in ("tenant", "selective") else None,
                        cacheable=iso != "request")
         seq.public_len = max((common_prefix_len(ids, p) for p in self._shared_prefixes), default=0)
+        if self.sharing is not None:
+            self.sharing.admit(seq)
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._rng))
         seq.generator = torch.Generator(device=self.device).manual_seed(seed)
         return seq
@@ -207,6 +214,8 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
         self.requests.pop(seq.request_id, None)
         if self.audit:
             self.audit.finish(seq)
+        if self.sharing is not None:
+            self.sharing.finish(seq)
 
     # ------------------------------------------------------------------ the block lifecycle
     def _on_block_event(self, transition: Transition, ids: list[int], seq: Sequence | None) -> None:
@@ -221,6 +230,11 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
                 self.audit.scrub(edge.hook, ids, seq)
         if self.audit:
             self.audit.block_event(edge.record, ids, seq, self.block_manager.blocks)
+
+    def _decision(self, kind: str, **fields) -> None:
+        """A selective-sharing decision (promote, flag, isolate) for the operator's trail."""
+        if self.audit:
+            self.audit.sharing(kind, **fields)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:

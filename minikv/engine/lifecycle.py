@@ -23,6 +23,7 @@ to ``evict``.
                        used --STORE--> used       (now registered: others may hit it)
     cached --HIT--> used, used --HIT--> used      (another request reuses the K/V)
     cached --EVICT--> free                        (LRU or quota: dropped from the hash table)
+    used/cached --PROMOTE/ISOLATE--> same state   (selective sharing: a new key, the same K/V)
 
 Every transition except ``cache`` puts a block's contents within someone else's reach
 (:attr:`Edge.reach` says whose).  Each row names the scrubber hook that runs on it
@@ -56,6 +57,8 @@ class Transition(StrEnum):
     CACHE = "cache"  # its last holder let go; it stays in the hash table
     FREE = "free"  # its last holder let go; never stored, so it goes to the free list
     EVICT = "evict"  # dropped from the hash table onto the free list
+    PROMOTE = "promote"  # selective sharing: re-keyed from its writer's domain into the public one
+    ISOLATE = "isolate"  # selective sharing: re-keyed from the shared domain into its writer's
 
 
 @dataclass(frozen=True)
@@ -63,7 +66,7 @@ class Edge:
     """One row of the lifecycle table."""
 
     source: tuple[State, ...]
-    target: State
+    target: State | None  # None: the block keeps its state (a re-key: promote, isolate)
     hook: str  # the Scrubber method that runs (on_alloc and on_free are required, others optional)
     record: str  # the audit-trail record kind (schema v2: both CACHE and FREE are "free")
     reach: str | None  # who can read the block's contents afterwards (None: nobody new)
@@ -77,6 +80,9 @@ LIFECYCLE: dict[Transition, Edge] = {
     Transition.CACHE: Edge((U,), C, "on_cache", "free", None),
     Transition.FREE: Edge((U,), F, "on_free", "free", "whoever allocates the block next"),
     Transition.EVICT: Edge((C,), F, "on_free", "evict", "whoever allocates the block next"),
+    # Selective sharing (minikv.engine.sharing) changes a registered block's key, never its K/V:
+    Transition.PROMOTE: Edge((U, C), None, "on_promote", "promote", "every later request of every tenant"),
+    Transition.ISOLATE: Edge((U, C), None, "on_isolate", "isolate", "its writer's later requests only"),
 }
 del F, U, C
 

@@ -33,6 +33,10 @@ class Sequence:
     # many leading tokens belong to an operator-declared public prefix (hashed without it).
     tenant_key: bytes | None = None
     public_len: int = 0
+    # Selective sharing (engine/sharing.py): tokens hashed without the tenant key although not
+    # public (the ``monitor`` strategy's shared region), and the operator's content fingerprints.
+    open_len: int = 0
+    content_fps: list[str] = field(default_factory=list, repr=False)
     cacheable: bool = True  # False under cache_isolation="request"
     output_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
@@ -87,8 +91,10 @@ class Sequence:
 
     def domain_key(self, i: int, block_size: int) -> bytes | None:
         """The tenant key for logical block ``i``: None for a public block (so every tenant can
-        share it), the tenant's own key afterwards."""
-        return None if self.block_is_public(i, block_size) else self.tenant_key
+        share it) or one inside ``open_len``, the tenant's own key afterwards."""
+        if self.block_is_public(i, block_size) or (i + 1) * block_size <= self.open_len:
+            return None
+        return self.tenant_key
 
 
 def common_prefix_len(ids: list[int], public: list[int]) -> int:

@@ -415,3 +415,19 @@ def test_cost_charts_refuse_bad_input():
         plot_decode_cost([1, 2], [0.1], [0.1, 0.2])
     with pytest.raises(ValueError, match="rows is empty"):
         plot_published_vs_measured([], xlabel="x", title="t")
+
+
+# ---- token strips (minikv/viz/tokens.py) -------------------------------------------------------------
+def test_token_strips_mark_blocks_and_cached_prefix():
+    from minikv.viz.tokens import draw_token_strips
+    colors = {"known": "#cccccc", "secret": "#ff0000"}
+    fig = draw_token_strips([("victim", ["known"] * 6 + ["secret"] * 2, None),
+                             ("probe", ["known"] * 8, 4)], colors, block_size=4, title="T")
+    ax = fig.axes[0]
+    cache_bars = [p for p in ax.patches if p.get_height() == 0.3]
+    assert sorted(p.get_width() for p in cache_bars) == [4, 4]           # 4 cached, 4 computed
+    assert len(ax.lines) == 3 + 3                                         # boundaries at 0, 4, 8 per strip
+    with pytest.raises(ValueError, match=r"no colour for token kind\(s\) \['other'\]"):
+        draw_token_strips([("x", ["other"], None)], colors)
+    with pytest.raises(ValueError, match="block_size must be >= 1"):
+        draw_token_strips([("x", ["known"], None)], colors, block_size=0)

@@ -23,6 +23,8 @@ What the server runs, and why each flag:
   30 layers x 2 x 3 KV heads x 64 dims x 4 bytes = 46 KB per token, so 2 GiB hold ~45k tokens --
   plenty for the tests, and small enough for a 24 GiB machine shared with other work.
 * loopback only (``--host 127.0.0.1``): this server has no authentication at all.
+* stats logging stays on: without it ``/metrics`` has no ``vllm:num_requests_running``, which
+  the tests read to see that a client's disconnect aborted its request.
 
 vLLM's CPU build uses 128-token KV blocks; ``block_size`` in the state file records it for the
 tests (prompts must be longer than one block, or nothing can ever be cached).
@@ -105,8 +107,7 @@ def start(args: argparse.Namespace) -> int:
                DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     cmd = [str(VENV_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir(args.model),
            "--served-model-name", args.model, "--dtype", "float32", "--enable-prompt-tokens-details",
-           "--host", "127.0.0.1", "--port", str(args.port), "--max-model-len", str(args.max_model_len),
-           "--disable-log-stats"]
+           "--host", "127.0.0.1", "--port", str(args.port), "--max-model-len", str(args.max_model_len)]
     started = time.time()
     with open(LOG, "wb") as log:
         # A session of its own: the server forks engine workers, and stop() ends the whole

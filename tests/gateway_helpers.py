@@ -3,36 +3,21 @@ and one completion call that returns (status, cached_tokens)."""
 from __future__ import annotations
 
 import asyncio
-import secrets
 import threading
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from minikv.gateway.app import GatewayConfig, create_gateway_app
-from minikv.gateway.oversight import GatewayTrail, PromptTokens
-from minikv.gateway.salt import GatewayKeys
-from minikv.serve.auth import ApiKeys
+from minikv.gateway import lab
 from minikv.serve.background import BackgroundServer
-from minikv.serve.limits import ServeLimits
 
 OPERATOR = {"sk-op": "ops"}
 
 
-def start_gateway(upstreams, keys: dict, *, model_dir=None, block_size: int = 16, trail_path=None,
-                  limits: ServeLimits | None = None, upstream_key: str | None = None, **config) -> BackgroundServer:
-    """A gateway in a background thread; ``srv.secret``, ``srv.trail``, ``srv.keys`` for checks."""
-    secret = secrets.token_bytes(32)
-    tokens = PromptTokens(model_dir) if model_dir is not None else None
-    trail = GatewayTrail(secret, block_size, trail_path) if tokens is not None else None
-    cfg = GatewayConfig(upstreams=tuple(upstreams), secret=secret, upstream_key=upstream_key,
-                        limits=limits or ServeLimits(), prefix_tokens=block_size, **config)
-    gkeys = GatewayKeys(ApiKeys(keys), cfg.salt_scope)
-    srv = BackgroundServer(create_gateway_app(cfg, gkeys, operator_keys=ApiKeys(OPERATOR), tokens=tokens,
-                                              trail=trail)).start()
-    srv.secret, srv.trail, srv.keys = secret, trail, gkeys
-    return srv
+def start_gateway(upstreams, keys: dict, **kw):
+    """:func:`minikv.gateway.lab.start_gateway` with the operator key ``sk-op``."""
+    return lab.start_gateway(upstreams, keys, operator_keys=OPERATOR, **kw)
 
 
 def complete(base_url: str, key: str | None, prompt, max_tokens: int = 1, timeout: float = 120.0, **extra):

@@ -431,3 +431,18 @@ def test_token_strips_mark_blocks_and_cached_prefix():
         draw_token_strips([("x", ["other"], None)], colors)
     with pytest.raises(ValueError, match="block_size must be >= 1"):
         draw_token_strips([("x", ["known"], None)], colors, block_size=0)
+
+
+def test_slot_grid_draws_every_slot_and_outlines_the_read_ones():
+    from minikv.viz.tokens import draw_slot_grid
+    kinds = ["a", "a", "b", "empty"]
+    colors = {"a": ("#00f", "a's token"), "b": ("#f00", "b's token"), "empty": ("#ddd", "none")}
+    fig = draw_slot_grid(kinds, ["x", "y", "z", ""], 2, colors, outlined={(1, 0)}, outline=("#f00", "read"))
+    ax = fig.axes[0]
+    assert len(ax.patches) == 4 and [t.get_text() for t in ax.texts] == ["x", "y", "z"]
+    assert [p.get_linewidth() for p in ax.patches] == [0.5, 0.5, 2.2, 0.5]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["a's token", "b's token", "none", "read"]
+    with pytest.raises(ValueError, match="3 slots do not make whole blocks of 2"):
+        draw_slot_grid(kinds[:3], ["", "", ""], 2, colors)
+    with pytest.raises(ValueError, match=r"no colour for slot kind\(s\) \['c'\]"):
+        draw_slot_grid(["c", "a"], ["", ""], 2, colors)

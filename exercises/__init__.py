@@ -1,3 +1,4 @@
+# minikv-stub: 07a624cf789a7a4f
 """Your exercises for the minikv course (lessons 07 and 08).
 
 Each module holds stubs that raise ``NotImplementedError``; their docstrings state the contract

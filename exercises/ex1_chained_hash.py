@@ -3,6 +3,7 @@
 # then run `make grade` (or the check cell in the lesson).  The imports below are the ones the
 # reference solution uses.  Course maintainers: edit solutions/ex1_chained_hash.py and regenerate; never
 # edit this file by hand.
+# minikv-stub: 3b9f6d6b479b8543
 """Exercise 1 (lesson 07): a chained, domain-separated block hash.
 
 The engine names every full KV block by a *cache key*.  A hit on that key makes a request
@@ -23,9 +24,11 @@ from __future__ import annotations
 import hashlib
 import struct
 
-# The engine's own domain-separation label ("minikv/block-key/v1"): block keys can never equal a
-# SHA-256 computed for another purpose (a tenant key, an audit fingerprint) over the same fields.
-from minikv.security.hashing import BLOCK_DOMAIN
+# The domain-separation label: block keys can never equal a SHA-256 computed for another purpose
+# (a tenant key, an audit fingerprint) over the same fields.  The engine uses the same string.
+# (Do not import minikv.security: it holds the reference implementation, and the grader refuses a
+# file that imports it.)
+BLOCK_DOMAIN = "minikv/block-key/v1"
 
 # One possible wire format (you may design your own): tag (1 byte) || length (8 bytes) || payload.
 TAG_NONE, TAG_BYTES, TAG_STR, TAG_INT, TAG_SEQ = 0, 1, 2, 3, 4
@@ -45,15 +48,7 @@ def encode_fields(*fields) -> bytes:
     * canonical: a list and a tuple with the same items encode the same (the engine must not
       care which container a caller used); the same input always gives the same bytes.
 
-    Hints:
-
-    * give every field a **type tag** (so ``"1"`` and ``1`` differ) and a **length** (so a
-      decoder knows where the field ends: that is what makes ``a|bc`` differ from ``ab|c``);
-    * ``struct.pack(">BQ", tag, length)`` is a 9-byte header; ``value.to_bytes(n, "big",
-      signed=True)`` with ``n = (value.bit_length() + 8) // 8`` encodes any int;
-    * a sequence's payload is the concatenation of its items' encodings (recursion), and its
-      length prefix then makes nesting unambiguous;
-    * test for ``bool`` before ``int`` if you want ``True`` and ``1`` to differ (optional here).
+    Stuck?  ``make hint EX=1a`` (three levels, one per call).
     """
     raise NotImplementedError("encode_fields: not implemented yet (read the docstring, then write your code here)")
 
@@ -77,10 +72,10 @@ def chained_block_hash(parent: bytes | None, tokens: tuple[int, ...], extra: tup
     * **domain-separated**: the message starts with ``BLOCK_DOMAIN``, so the key is not the
       plain ``sha256(encode_fields(parent, tokens, extra, tenant_key))``.
 
-    Hints:
+    * refuses what it cannot key safely: ``parent`` that is neither ``None`` nor ``bytes``, a
+      token that is not an ``int`` (``bool`` included) -> ``TypeError`` naming the bad value;
+    * never ``hash()`` (CVE-2025-25183) and never a truncated digest (birthday collisions).
 
-    * ``hashlib.sha256(encode_fields(BLOCK_DOMAIN, parent, tuple(tokens), tuple(extra),
-      tenant_key)).digest()`` is the whole solution once 1a works;
-    * never ``hash()`` (CVE-2025-25183) and never truncate the digest (birthday collisions).
+    Stuck?  ``make hint EX=1b``.
     """
     raise NotImplementedError("chained_block_hash: not implemented yet (read the docstring, then write your code here)")

@@ -3,6 +3,7 @@
 # then run `make grade` (or the check cell in the lesson).  The imports below are the ones the
 # reference solution uses.  Course maintainers: edit solutions/ex3_scrubbing.py and regenerate; never
 # edit this file by hand.
+# minikv-stub: fcfdd56e22712991
 """Exercise 3 (lesson 08): scrubbing KV blocks, at the right moment of their life.
 
 A freed KV block keeps its previous owner's keys and values until something overwrites them,
@@ -11,20 +12,30 @@ so that no request can ever be handed another request's leftovers.
 
 * 3a ``zero_blocks`` -- zero exactly the given blocks, in every layer, K and V, with one
   indexed write per tensor (no Python loop over blocks: on a GPU, one kernel launch);
-* 3b ``ScrubOnAlloc`` -- the engine's ``Scrubber`` seam.  The engine calls
-  ``on_free(pool, ids)`` when blocks leave the prefix cache (evicted) or are released
-  uncached, and ``on_alloc(pool, ids)`` when it hands blocks to a request *without* a
-  prefix-cache hit, just before the new owner writes them.
+* 3b ``scrub_action`` -- *scrub placement*: for each block-lifecycle transition (the vocabulary
+  of ``minikv.engine.lifecycle``: allocate, hit, store, cache, free, evict, promote, isolate),
+  decide whether the engine must zero the blocks (``ZERO``) or keep them (``KEEP``).  The engine
+  reaches those transitions on many paths -- a request that finishes, is preempted or aborted, an
+  LRU or quota eviction, an operator's ``reset_prefix_cache`` -- and your decision must be right on
+  all of them.  ``PlacedScrubber`` (given, ``minikv.grading.harness``) plugs your decision into
+  the engine's ``Scrubber`` seam, so it runs inside the real engine.
 
 The pool tensors are ``pool.k_cache`` and ``pool.v_cache``, both shaped
 ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``.
 
-Plug it in with ``LLM(..., scrubber=ScrubOnAlloc())``.  Grade with ``check_zero_blocks`` and
-``check_scrubber``.
+Run it with ``scrubbed_llm("tiny-random", ...)`` (an ``LLM`` whose scrubber follows your
+decision).  Grade with ``check_zero_blocks`` and ``check_scrub_placement``, or ``make grade``.
+
+The reference scrubbers live in ``minikv.security.scrub``: do not import them (the grader refuses
+a file that does).
 """
 from __future__ import annotations
 
 import torch
+
+from minikv.engine.lifecycle import LIFECYCLE, Transition  # the vocabulary: read its table
+# The given plumbing: plugs your decision into the engine's Scrubber seam (no answer in it).
+from minikv.grading.harness import KEEP, ZERO, PlacedScrubber, placed_llm  # noqa: F401
 
 
 def zero_blocks(pool, block_ids: list[int]) -> None:
@@ -39,42 +50,37 @@ def zero_blocks(pool, block_ids: list[int]) -> None:
     * works on any object with ``k_cache`` / ``v_cache`` tensors: do not call
       ``pool.zero_blocks`` (that is the engine's own answer to this exercise).
 
-    Hints:
-
-    * the block dimension is dim **1** (dim 0 is the layer); ``pool.k_cache[ids] = 0`` would
-      zero whole *layers*;
-    * ``tensor.index_fill_(1, idx, 0)`` with ``idx = torch.as_tensor(ids, dtype=torch.long,
-      device=tensor.device)`` is one kernel per tensor; ``pool.k_cache[:, idx] = 0`` works too;
-    * an empty list must be a no-op (and should not launch anything).
+    Stuck?  ``make hint EX=3a`` (three levels, one per call).
     """
     raise NotImplementedError("zero_blocks: not implemented yet (read the docstring, then write your code here)")
 
 
-class ScrubOnAlloc:
-    """Zero a block just before a new owner writes it (when it is handed out without a hit).
+def scrub_action(transition: Transition, seq) -> str:
+    """Should the blocks of this lifecycle event be zeroed (``ZERO``) or kept (``KEEP``)?
 
-    Contract:
+    ``transition`` is a :class:`~minikv.engine.lifecycle.Transition` (or its string value, e.g.
+    ``"evict"``); ``seq`` is the request that caused it -- finished, still running (a preemption
+    frees a running request's blocks), aborted (``seq.finish_reason == "abort"``) -- or ``None``
+    when the operator evicts (``reset_prefix_cache``).
 
-    * ``on_alloc(pool, ids)`` zeroes exactly ``ids`` (all layers, K and V);
-    * ``on_free(pool, ids)`` may do nothing: the data may still be hit in the prefix cache
-      until eviction, and ``on_alloc`` will wipe it before anyone else can see it (scrubbing
-      in ``on_free`` too would be safe, but twice the work);
-    * with this scrubber the engine never hands a request a block that still holds someone
-      else's K/V, and never destroys K/V that a running request or a cache hit still needs.
+    Contract (the grader runs the real engine through every path):
 
-    Hints:
+    * at no moment may a request's block table hold nonzero K/V in a slot that request never wrote:
+      a block must be zero by the time it is handed to a new owner without a cache hit, whichever
+      path released it (finish, preemption, abort, LRU eviction, quota eviction, operator reset);
+    * never destroy data that is still meant to be read: a running request's own K/V, a block
+      stored in the prefix cache, a hit.  Outputs must equal a cache-off engine's, and same-tenant
+      hits must still happen (a scrubber that wipes every hit fails);
+    * raises ``ValueError`` for anything that is not a lifecycle transition.
 
-    * which blocks must *never* be scrubbed?  Blocks a request receives as a prefix-cache *hit*
-      (the engine does not call ``on_alloc`` for those), and blocks the new owner has already
-      written (so scrub before the model step, never after, and never "later, in a batch");
-    * ``hooks`` lists the hooks that really zero memory; the engine's audit trail logs a
-      ``scrub`` event only for those.
+    Think about it with ``LIFECYCLE``: which rows put a block's old bytes within a NEW reader's
+    reach, and which rows hand data to a reader who is meant to have it?
+
+    Stuck?  ``make hint EX=3b`` (three levels, one per call).
     """
+    raise NotImplementedError("scrub_action: not implemented yet (read the docstring, then write your code here)")
 
-    hooks = frozenset({"on_alloc"})
 
-    def on_free(self, pool, block_ids: list[int]) -> None:
-        raise NotImplementedError("ScrubOnAlloc.on_free: not implemented yet (read the docstring, then write your code here)")
-
-    def on_alloc(self, pool, block_ids: list[int]) -> None:
-        raise NotImplementedError("ScrubOnAlloc.on_alloc: not implemented yet (read the docstring, then write your code here)")
+def scrubbed_llm(*args, **kwargs):
+    """``LLM(*args, **kwargs)`` whose scrubber runs YOUR placement (3b) with YOUR zeroing (3a)."""
+    return placed_llm(scrub_action, zero_blocks, *args, **kwargs)

@@ -3,6 +3,7 @@
 # then run `make grade` (or the check cell in the lesson).  The imports below are the ones the
 # reference solution uses.  Course maintainers: edit solutions/ex4_isolation_audit.py and regenerate; never
 # edit this file by hand.
+# minikv-stub: fe8cd0c3e50fae1e
 """Exercise 4 (lesson 08): an isolation audit that checks BOTH directions.
 
 Run a multi-tenant workload against an engine -- requests of different tenants in the same
@@ -75,12 +76,6 @@ def isolation_audit(llm, tenants=("alice", "bob", "carol"), doc_blocks: int = 3,
       sent that document);
     * returns an :class:`IsolationReport` whose verdict comes from :func:`audit_verdict`.
 
-    Hints:
-
-    * ``llm.engine.block_size`` and ``llm.engine.model.shape.vocab_size`` size the prompts;
-    * ``llm.generate(list_of_token_id_lists, params, tenant=list_of_tenants)`` queues a whole
-      wave at once, and the engine batches it continuously: that is the concurrency;
-    * ``SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)`` keeps it cheap;
-    * ``out.num_cached_tokens`` is the client-visible oracle (OpenAI's ``cached_tokens``).
+    Stuck?  ``make hint EX=4b`` (three levels, one per call).
     """
     raise NotImplementedError("isolation_audit: not implemented yet (read the docstring, then write your code here)")

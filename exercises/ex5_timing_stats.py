@@ -3,6 +3,7 @@
 # then run `make grade` (or the check cell in the lesson).  The imports below are the ones the
 # reference solution uses.  Course maintainers: edit solutions/ex5_timing_stats.py and regenerate; never
 # edit this file by hand.
+# minikv-stub: 48b3629b016e2e4c
 """Exercise 5 (lesson 07): the statistics of a timing audit.
 
 From outside, a cache hit shows up as a faster response.  Given latencies of requests that
@@ -33,14 +34,17 @@ def ks_test(hit, miss) -> tuple[float, float]:
     Returns ``(statistic, pvalue)`` where ``statistic = max_t (F_hit(t) - F_miss(t))`` (the
     empirical CDFs): 1.0 when every hit is faster than every miss, 0.0 when no hit is ever ahead.
 
-    Hints:
+    Contract:
 
-    * ``scipy.stats.ks_2samp(x, y, alternative=...)``: read the docs carefully.  Its
-      ``"greater"`` alternative says "the CDF of x lies *above* the CDF of y" -- and a CDF that
-      rises *earlier* belongs to the sample with the *smaller* values;
-    * sanity check: with hits clearly faster the p-value is tiny; with hits clearly *slower*
-      it must be close to 1 (slower "hits" are not evidence of a cache);
+    * compute the **statistic yourself** from the two empirical CDFs (numpy; no ``ks_2samp`` for
+      it) -- it is the number the test is about, and its direction is the whole point;
+    * the p-value may come from scipy (``ks_2samp`` with the matching alternative) or from the
+      asymptotic formula: an exact and an asymptotic p-value are both accepted, a two-sided one
+      is not (slower "hits" must never look like evidence of a cache);
+    * ``ValueError`` for an empty sample or a non-finite latency, naming which;
     * return plain floats.
+
+    Stuck?  ``make hint EX=5a`` (three levels, one per call).
     """
     raise NotImplementedError("ks_test: not implemented yet (read the docstring, then write your code here)")
 
@@ -48,10 +52,6 @@ def ks_test(hit, miss) -> tuple[float, float]:
 def roc_auc(hit, miss) -> float:
     """AUC of "smaller latency => hit" = P(hit < miss) + 0.5 * P(hit == miss) over all pairs.
 
-    Hints:
-
-    * broadcasting: ``h[:, None] < m[None, :]`` compares every (hit, miss) pair;
-    * ties count one half (latencies measured in whole milliseconds tie often);
-    * orientation check: ``roc_auc([1, 2], [3, 4]) == 1.0`` and ``roc_auc([3, 4], [1, 2]) == 0.0``.
+    Stuck?  ``make hint EX=5b`` (three levels, one per call).
     """
     raise NotImplementedError("roc_auc: not implemented yet (read the docstring, then write your code here)")

@@ -1,5 +1,6 @@
 # GENERATED from solutions/grade.py by `python -m minikv.grading.make_exercises` (copied unchanged).
 # Course maintainers: edit solutions/grade.py and regenerate; never edit this file by hand.
+# minikv-stub: 1f4c757c00144b77
 """Grade every exercise of this package and print a summary table.
 
     make grade                      # grades exercises/ (python -m exercises.grade)

@@ -18,9 +18,11 @@ from __future__ import annotations
 import hashlib
 import struct
 
-# The engine's own domain-separation label ("minikv/block-key/v1"): block keys can never equal a
-# SHA-256 computed for another purpose (a tenant key, an audit fingerprint) over the same fields.
-from minikv.security.hashing import BLOCK_DOMAIN
+# The domain-separation label: block keys can never equal a SHA-256 computed for another purpose
+# (a tenant key, an audit fingerprint) over the same fields.  The engine uses the same string.
+# (Do not import minikv.security: it holds the reference implementation, and the grader refuses a
+# file that imports it.)
+BLOCK_DOMAIN = "minikv/block-key/v1"
 
 # One possible wire format (you may design your own): tag (1 byte) || length (8 bytes) || payload.
 TAG_NONE, TAG_BYTES, TAG_STR, TAG_INT, TAG_SEQ = 0, 1, 2, 3, 4
@@ -40,15 +42,7 @@ def encode_fields(*fields) -> bytes:
     * canonical: a list and a tuple with the same items encode the same (the engine must not
       care which container a caller used); the same input always gives the same bytes.
 
-    Hints:
-
-    * give every field a **type tag** (so ``"1"`` and ``1`` differ) and a **length** (so a
-      decoder knows where the field ends: that is what makes ``a|bc`` differ from ``ab|c``);
-    * ``struct.pack(">BQ", tag, length)`` is a 9-byte header; ``value.to_bytes(n, "big",
-      signed=True)`` with ``n = (value.bit_length() + 8) // 8`` encodes any int;
-    * a sequence's payload is the concatenation of its items' encodings (recursion), and its
-      length prefix then makes nesting unambiguous;
-    * test for ``bool`` before ``int`` if you want ``True`` and ``1`` to differ (optional here).
+    Stuck?  ``make hint EX=1a`` (three levels, one per call).
     """
     # BEGIN SOLUTION
     return b"".join(_encode_one(f) for f in fields)
@@ -90,12 +84,24 @@ def chained_block_hash(parent: bytes | None, tokens: tuple[int, ...], extra: tup
     * **domain-separated**: the message starts with ``BLOCK_DOMAIN``, so the key is not the
       plain ``sha256(encode_fields(parent, tokens, extra, tenant_key))``.
 
-    Hints:
+    * refuses what it cannot key safely: ``parent`` that is neither ``None`` nor ``bytes``, a
+      token that is not an ``int`` (``bool`` included) -> ``TypeError`` naming the bad value;
+    * never ``hash()`` (CVE-2025-25183) and never a truncated digest (birthday collisions).
 
-    * ``hashlib.sha256(encode_fields(BLOCK_DOMAIN, parent, tuple(tokens), tuple(extra),
-      tenant_key)).digest()`` is the whole solution once 1a works;
-    * never ``hash()`` (CVE-2025-25183) and never truncate the digest (birthday collisions).
+    Stuck?  ``make hint EX=1b``.
     """
     # BEGIN SOLUTION
-    return hashlib.sha256(encode_fields(BLOCK_DOMAIN, parent, tuple(tokens), tuple(extra), tenant_key)).digest()
+    if parent is not None and not isinstance(parent, (bytes, bytearray)):
+        raise TypeError(f"parent must be None or bytes (the previous block's key), got {parent!r}")
+    if tenant_key is not None and not isinstance(tenant_key, (bytes, bytearray)):
+        raise TypeError(f"tenant_key must be None or bytes, got {tenant_key!r}")
+    tokens = tuple(tokens)
+    for t in tokens:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise TypeError(f"token ids must be ints, got {t!r}")
+    # The label first (domain separation), then every field, typed and length-prefixed: two different
+    # (parent, tokens, extra, tenant_key) tuples can never give the same message.
+    message = encode_fields(BLOCK_DOMAIN, parent, tokens, tuple(extra), tenant_key)
+    digest = hashlib.sha256(message).digest()
+    return digest  # all 32 bytes: a truncated key makes birthday collisions cheap
     # END SOLUTION

@@ -17,14 +17,17 @@ from __future__ import annotations
 
 import hmac
 
-# The reference typed encoding (lesson 07 explains it; exercise 1a is the same idea).  You may
-# use your own ``exercises.ex1_chained_hash.encode_fields`` instead once it passes its check.
-from minikv.security.encoding import encode_fields
-# The engine's own labels and minimum secret length: with them, a correct solution gives exactly
-# the keys the engine derives (the grader's engine runs compare your cache with the engine's).
-from minikv.security.hashing import BLOCK_LABEL
-from minikv.security.keys import MIN_SECRET_BYTES, SHARED_LABEL, TENANT_LABEL
+# Your typed encoding from exercise 1a (grade 1a first: every key below is built on it).
+from .ex1_chained_hash import encode_fields
 
+# The engine's labels and minimum secret length, as literals (the engine uses the same strings;
+# its own wire format may differ from your 1a, so its keys need not equal yours byte for byte --
+# the grader runs YOUR keys inside the engine).  Never import minikv.security (the reference
+# implementation): the grader refuses a file that does, and says why.
+MIN_SECRET_BYTES = 16
+TENANT_LABEL = "minikv/tenant-key/v1"
+SHARED_LABEL = "minikv/shared-key/v1"
+BLOCK_LABEL = "minikv/keyed-block/v1"
 
 def derive_tenant_key(engine_secret: bytes, tenant: str | None) -> bytes:
     """Return the 32-byte cache key of ``tenant`` (``None`` = anonymous requests).
@@ -40,18 +43,20 @@ def derive_tenant_key(engine_secret: bytes, tenant: str | None) -> bytes:
       shorter than ``MIN_SECRET_BYTES`` (a short secret can be brute-forced, and then every
       tenant key with it).
 
-    Hints:
-
-    * ``hmac.digest(key, msg, "sha256")``; the *secret* is the HMAC key, the tenant the message;
-    * encode the message with ``encode_fields(TENANT_LABEL, tenant)``: the label separates
-      this use of the secret from every other, and typing keeps ``None`` apart from ``""``.
+    Stuck?  ``make hint EX=2a`` (three levels, one per call).
     """
     # BEGIN SOLUTION
     if not isinstance(engine_secret, (bytes, bytearray)):
         raise TypeError(f"engine_secret must be bytes, got {type(engine_secret).__name__}")
     if len(engine_secret) < MIN_SECRET_BYTES:
         raise ValueError(f"engine_secret must be at least {MIN_SECRET_BYTES} bytes, got {len(engine_secret)}")
-    return hmac.digest(bytes(engine_secret), encode_fields(TENANT_LABEL, tenant), "sha256")
+    if tenant is not None and not isinstance(tenant, str):
+        # 7 and "7" would otherwise be two spellings of one tenant in the caller's head
+        raise TypeError(f"tenant must be a str or None, got {tenant!r}")
+    # The secret is the HMAC *key*; the tenant is the *message*, typed, so that None, "" and "None"
+    # are three different messages, and a name containing a separator cannot fake another name.
+    message = encode_fields(TENANT_LABEL, tenant)
+    return hmac.digest(bytes(engine_secret), message, "sha256")
     # END SOLUTION
 
 
@@ -74,11 +79,7 @@ class TenantKeyedHasher:
       (unkeyed) block, or an engine with ``chain_hashes=False``, would then lose it;
     * chained and typed like exercise 1 (parent and tokens covered, no ambiguity).
 
-    Hints:
-
-    * HMAC with a secret key is a pseudo-random function: without the key nobody can compute
-      (or even confirm a guess of) a block key, and different keys give unrelated keys;
-    * the flag ``tenant_key is not None`` puts shared and tenant blocks in disjoint domains.
+    Stuck?  ``make hint EX=2b`` (three levels, one per call).
     """
 
     def __init__(self, engine_secret: bytes):
@@ -110,14 +111,7 @@ def block_keys(hasher, token_ids: list[int], block_size: int, tenant_key: bytes 
     Contract: the same list as the engine's ``BlockManager.block_hash`` for every block (the
     grader installs your function in a real engine and checks both directions of isolation).
 
-    Hints:
-
-    * ``range(len(token_ids) // block_size)`` enumerates the full blocks;
-    * pass ``tenant_key`` to EVERY block after the public prefix: keying only the last block
-      leaves the first ones shared across tenants (the oracle of lesson 04 still works on them),
-      and forgetting to pass it leaves every block shared;
-    * a block that straddles the end of the public prefix is private: ``(i + 1) * block_size
-      <= public_len`` is the test for "entirely public".
+    Stuck?  ``make hint EX=2c`` (three levels, one per call).
     """
     # BEGIN SOLUTION
     keys: list[bytes] = []

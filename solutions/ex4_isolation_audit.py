@@ -76,13 +76,7 @@ def isolation_audit(llm, tenants=("alice", "bob", "carol"), doc_blocks: int = 3,
       sent that document);
     * returns an :class:`IsolationReport` whose verdict comes from :func:`audit_verdict`.
 
-    Hints:
-
-    * ``llm.engine.block_size`` and ``llm.engine.model.shape.vocab_size`` size the prompts;
-    * ``llm.generate(list_of_token_id_lists, params, tenant=list_of_tenants)`` queues a whole
-      wave at once, and the engine batches it continuously: that is the concurrency;
-    * ``SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)`` keeps it cheap;
-    * ``out.num_cached_tokens`` is the client-visible oracle (OpenAI's ``cached_tokens``).
+    Stuck?  ``make hint EX=4b`` (three levels, one per call).
     """
     # BEGIN SOLUTION
     eng = llm.engine

@@ -52,7 +52,7 @@ WORKLOAD = [
 
 
 def tenant_name(t) -> str:
-    return "None (anonymous)" if t is None else ("'' (empty name)" if t == "" else str(t))
+    return "None (anonymous)" if t is None else ("'' (empty name)" if t == "" else repr(t))
 
 
 def run_workload(llm, workload=WORKLOAD) -> tuple[list[int], HitLog]:
@@ -132,6 +132,8 @@ KEY_A, KEY_B = b"A" * 32, b"B" * 32
 
 #: (fields_a, fields_b, why they must differ)
 TRICKY_FIELDS = [
+    (("a|b",), ("a", "b"), "a name containing the separator: joining fields with '|' makes 'a|b' two fields"),
+    (("a|str:b",), ("a", "b"), "a name containing the separator AND a type prefix: 'str:a|str:b' either way"),
     ((b"a", b"bc"), (b"ab", b"c"), "a field boundary moved: without a length prefix a|bc and ab|c are the same bytes"),
     (("lora", "salt"), ("lorasalt",), "two fields vs one (vLLM #44701: a LoRA name and a cache_salt collided)"),
     (((1, 23),), ((12, 3),), "token blocks (1, 23) and (12, 3): joining decimal strings gives '123' twice"),
@@ -232,7 +234,7 @@ def check_block_hash_properties(hasher, label: str) -> None:
                "length-prefixed encode_fields before hashing.")
 
 
-@grader("sha256 over encode_fields(BLOCK_DOMAIN, parent, tuple(tokens), tuple(extra), tenant_key).")
+@grader("a key must stand for the whole prefix, for one domain: chained, typed, domain-separated, full digest.")
 def check_chained_hash(chained_block_hash, encode_fields=None) -> str:
     """Exercise 1b: properties on direct calls, then inside a real engine against ``sha256``
     (whose hasher is this very construction: ``minikv.security.hashing.Sha256Hasher``)."""
@@ -242,7 +244,7 @@ def check_chained_hash(chained_block_hash, encode_fields=None) -> str:
             for plain in (encode_fields(parent, tokens, extra, key), encode_fields(parent, tuple(tokens), extra, key)):
                 expect(chained_block_hash(parent, tokens, extra, key) != hashlib.sha256(plain).digest(),
                        "the key is the plain sha256 of the encoded fields: it is not domain-separated",
-                       "put the label BLOCK_DOMAIN first in the message: encode_fields(BLOCK_DOMAIN, parent, ...).")
+                       "a domain label belongs in the hashed message, before the fields (bug class: no domain separation).")
     cached, log = engine_stage_hasher(chained_block_hash, "sha256")
     return (f"typed and chained; in the engine {len(WORKLOAD)} requests cached exactly what sha256 caches "
             f"({sum(cached)} tokens, 0 cross-tenant)")

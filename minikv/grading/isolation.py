@@ -66,11 +66,21 @@ def reference_verdict(name: str) -> str:
                         prompt_words=8).verdict
 
 
+def verdict_bug_class(got: str, want: str) -> str:
+    """The name of the mistake behind verdict ``got`` where ``want`` was right."""
+    return {("pass", "inconclusive"): "one-directional audit -- 0 cross-tenant hits without any hit proves nothing",
+            ("fail", "inconclusive"): "'saw no hit' reported as a leak -- inconclusive is not fail",
+            ("inconclusive", "fail"): "checks in the wrong order -- a leak is a leak even without a same-tenant hit",
+            ("pass", "fail"): "a leak reported as a pass",
+            ("fail", "pass"): "a working isolated cache reported as leaking",
+            ("inconclusive", "pass"): "same-tenant hits not counted"}.get((got, want), "wrong verdict")
+
+
 CASES = [((0, 0), "inconclusive"), ((0, 12), "pass"), ((4, 0), "fail"), ((4, 12), "fail"), ((0, 1), "pass"),
          ((1, 0), "fail")]
 
 
-@grader("a leak (cross > 0) is 'fail' first; then no same-tenant hit at all is 'inconclusive'; only then 'pass'.")
+@grader("an audit must be able to fail, and must prove it could see a hit: both directions, in the right order.")
 def check_audit_verdict(audit_verdict) -> str:
     """Exercise 4a: the two-directional verdict rule."""
     for (cross, same), want in CASES:
@@ -78,7 +88,8 @@ def check_audit_verdict(audit_verdict) -> str:
         why = {"inconclusive": "the audit never saw a cache hit, so 0 cross-tenant hits proves nothing "
                                "(SGLang #23300: the salt never reached the scheduler and a one-sided test passed)",
                "fail": "any cross-tenant cached token is a leak", "pass": "no leak, and the audit could see hits"}[want]
-        expect(got == want, f"audit_verdict(cross={cross}, same={same}) returned {got!r}, expected {want!r}: {why}")
+        expect(got == want, f"audit_verdict(cross={cross}, same={same}) returned {got!r}, expected {want!r}: {why} "
+               f"(bug class: {verdict_bug_class(got, want)})")
     return "fail on any leak, inconclusive without a same-tenant hit, pass otherwise"
 
 
@@ -100,8 +111,8 @@ class _Concurrency:
         engine.scheduler.schedule = schedule
 
 
-@grader("wave 1: every tenant primes its own document; wave 2: every tenant re-sends its own AND copies another's; "
-        "queue each wave at once (one llm.generate with lists) so tenants share engine steps.")
+@grader("both directions, concurrently: tenants re-send their own documents AND send each other's, in shared "
+        "engine steps.")
 def check_isolation_audit(isolation_audit) -> str:
     """Exercise 4b: correct verdict on five engines, counts equal ground truth, concurrency."""
     seen = []
@@ -114,29 +125,32 @@ def check_isolation_audit(isolation_audit) -> str:
             expect(hasattr(report, attr), f"the report has no attribute {attr!r}", "return an IsolationReport.")
         expect(conc.steps > 0, "the audit never ran the engine it was given", "send the requests to `llm`.")
         expect(conc.max_tenants >= 2,
-               f"requests of different tenants never ran in the same engine step (engine with {what}): the audit is sequential",
+               f"requests of different tenants never ran in the same engine step (engine with {what}) (bug class: "
+               "'concurrent' probes that never share a scheduler step with the victim)",
                "queue a whole wave at once, e.g. llm.generate(prompts, params, tenant=tenants): isolation must hold "
                "inside a batch, not only between quiet requests.")
         true_cross = BS * len(log.cross)
         true_same = BS * len(log.same)
         expect(report.cross_tenant_cached_tokens == true_cross,
                f"on an engine with {what}, your audit counted {report.cross_tenant_cached_tokens} cross-tenant "
-               f"cached tokens; the engine served {true_cross} tokens from another tenant's blocks",
+               f"cached tokens; the engine served {true_cross} tokens from another tenant's blocks (bug class: hits "
+               "attributed to the wrong direction)",
                "a request's cached tokens are cross-tenant only if nobody but another tenant can have sent that "
                "prefix before (a copy of another tenant's document, or a first-time request); re-sends of your "
                "own document are same-tenant.")
         expect(report.same_tenant_cached_tokens == true_same,
                f"on an engine with {what}, your audit counted {report.same_tenant_cached_tokens} same-tenant "
-               f"cached tokens; the engine served {true_same} tokens from the tenant's own blocks",
+               f"cached tokens; the engine served {true_same} tokens from the tenant's own blocks (bug class: hits "
+               "attributed to the wrong direction)",
                "count the cached tokens of each tenant's re-sends of its own document as same-tenant.")
         if want == "fail":
             expect(true_cross > 0, f"on an engine with {what}, your workload never made one tenant send another "
-                   "tenant's prompt, so the leak could not show",
+                   "tenant's prompt, so the leak could not show (bug class: an audit blind to the leak it looks for)",
                    "in wave 2, every tenant must also send ANOTHER tenant's document (what an attacker does).")
         ref = reference_verdict(name)
         expect(report.verdict == want,
                f"on an engine with {what}, your verdict is {report.verdict!r}; the correct verdict is {want!r} "
-               f"(minikv's reference audit says {ref!r})",
+               f"(minikv's reference audit says {ref!r}) (bug class: {verdict_bug_class(report.verdict, want)})",
                {"fail": "any cross-tenant cached token means 'fail'.",
                 "pass": "0 cross-tenant AND > 0 same-tenant cached tokens means 'pass'.",
                 "inconclusive": "with 0 cross-tenant and 0 same-tenant cached tokens the audit saw no hit at all: "

@@ -16,10 +16,16 @@ without markers (``grade.py``) are copied unchanged, apart from the generated-fi
 ``exercises/__init__.py`` is written from :data:`EXERCISES_INIT`.  Output is deterministic, so
 ``tests/test_grading.py`` can check that the committed ``exercises/`` is exactly what this
 script generates.
+
+Learners' work is safe: every generated file ends its header with a *version stamp*,
+``# minikv-stub: <sha256 of the generated body>``.  Regenerating never overwrites a file whose
+body no longer matches its stamp (the learner edited it, or it has no stamp at all): the new
+version is written beside it as ``<name>.new`` and the command says which files it left alone.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import re
 import sys
 from pathlib import Path
@@ -56,6 +62,23 @@ Lessons 07 and 08 run the same graders cell by cell.  The reference implementati
 ``solutions/`` by ``python -m minikv.grading.make_exercises``.
 """
 '''
+
+
+STAMP = "# minikv-stub: "
+
+
+def _stamped(header: str, body: str) -> str:
+    """``header`` + the version stamp of ``body`` + ``body``."""
+    return f"{header}{STAMP}{hashlib.sha256(body.encode('utf-8')).hexdigest()[:16]}\n{body}"
+
+
+def is_pristine(text: str) -> bool:
+    """Is ``text`` a generated file nobody has edited since (its body still matches its stamp)?"""
+    head, sep, rest = text.partition(STAMP)
+    if not sep or "\n" not in rest:
+        return False
+    stamp, body = rest.split("\n", 1)
+    return hashlib.sha256(body.encode("utf-8")).hexdigest()[:16] == stamp.strip()
 
 
 class MarkerError(ValueError):
@@ -111,14 +134,14 @@ def strip_solutions(source: str, filename: str = "<source>") -> str:
 
 def generate(solutions: Path = SOLUTIONS) -> dict[str, str]:
     """``{file name: text}`` of every file of ``exercises/`` (deterministic)."""
-    files = {"__init__.py": EXERCISES_INIT}
+    files = {"__init__.py": _stamped("", EXERCISES_INIT)}
     for path in sorted(solutions.glob("*.py")):
         if path.name == "__init__.py":
             continue
         source = path.read_text(encoding="utf-8")
         text = strip_solutions(source, str(path))
         header = HEADER if text != source else COPY_HEADER
-        files[path.name] = header.format(name=path.name) + text
+        files[path.name] = _stamped(header.format(name=path.name), text)
     return files
 
 
@@ -131,13 +154,24 @@ def stale_files(exercises: Path = EXERCISES, solutions: Path = SOLUTIONS) -> lis
     return stale + extra
 
 
-def write(exercises: Path = EXERCISES, solutions: Path = SOLUTIONS) -> list[str]:
-    """(Re)write ``exercises``; return the names written."""
+def write(exercises: Path = EXERCISES, solutions: Path = SOLUTIONS) -> tuple[list[str], list[str]]:
+    """(Re)write ``exercises``; return (names written, names kept because the learner edited them).
+
+    A file whose body no longer matches its version stamp is never overwritten: the new version
+    goes to ``<name>.new`` beside it."""
     exercises.mkdir(exist_ok=True)
-    files = generate(solutions)
-    for name, text in files.items():
-        (exercises / name).write_text(text, encoding="utf-8")
-    return sorted(files)
+    written, kept = [], []
+    for name, text in generate(solutions).items():
+        path = exercises / name
+        old = path.read_text(encoding="utf-8") if path.is_file() else None
+        if old is None or old == text or is_pristine(old):
+            if old != text:
+                path.write_text(text, encoding="utf-8")
+                written.append(name)
+            continue
+        (exercises / f"{name}.new").write_text(text, encoding="utf-8")
+        kept.append(name)
+    return written, kept
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,8 +185,14 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print("exercises/ is up to date")
         return 0
-    for name in write():
+    written, kept = write()
+    for name in written:
         print(f"wrote exercises/{name}")
+    for name in kept:
+        print(f"kept exercises/{name}: it holds your edits (its version stamp no longer matches), so it was "
+              f"NOT overwritten; the new version is exercises/{name}.new -- merge by hand, then delete the .new")
+    if not written and not kept:
+        print("exercises/ is up to date")
     return 0
 
 

@@ -3,17 +3,26 @@
 ``python -m exercises.grade`` (what ``make grade`` runs) calls :func:`main` with its own
 package name; it imports every exercise module, runs each grader and prints a summary table.
 An exercise whose module cannot even be imported is reported as failed (with the error) and
-the others still run.
+the others still run.  Before importing, the file is read by the reference-import gate
+(:mod:`.guard`): an exercise that imports the engine's reference implementation fails with a
+message that says why, without being run.
+
+``python -m minikv.grading.runner PACKAGE [ids] --json FILE`` also writes the results as JSON
+(what ``make grade DIR=...``, :mod:`.gradebook`, reads from each submission's subprocess).
 """
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import io
+import json
+import sys
+from pathlib import Path
 from contextlib import redirect_stdout
 from dataclasses import dataclass
 from typing import Callable
 
-from . import hashing, isolation, scrubbing, stats, tenant_keys
+from . import guard, hashing, isolation, scrubbing, stats, tenant_keys
 
 
 @dataclass(frozen=True)
@@ -36,15 +45,15 @@ EXERCISES: list[Exercise] = [
     Exercise("1b", "ex1_chained_hash", "chained_block_hash", hashing.check_chained_hash,
              "chained, domain-separated block hash", "07", ("encode_fields",)),
     Exercise("2a", "ex2_tenant_keys", "derive_tenant_key", tenant_keys.check_tenant_key_derivation,
-             "server-side per-tenant keys (HMAC)", "07"),
+             "server-side per-tenant keys (HMAC)", "07", ("encode_fields",)),
     Exercise("2b", "ex2_tenant_keys", "TenantKeyedHasher", tenant_keys.check_tenant_keyed_hasher,
-             "tenant-keyed block hasher", "07"),
+             "tenant-keyed block hasher", "07", ("encode_fields",)),
     Exercise("2c", "ex2_tenant_keys", "block_keys", tenant_keys.check_block_keys,
              "tenant key in every block (plumbing)", "07"),
     Exercise("3a", "ex3_scrubbing", "zero_blocks", scrubbing.check_zero_blocks,
              "zero blocks: all layers, K and V", "08"),
-    Exercise("3b", "ex3_scrubbing", "ScrubOnAlloc", scrubbing.check_scrubber,
-             "scrubber in the block lifecycle", "08"),
+    Exercise("3b", "ex3_scrubbing", "scrub_action", scrubbing.check_scrub_placement,
+             "scrub placement in the block lifecycle", "08"),
     Exercise("4a", "ex4_isolation_audit", "audit_verdict", isolation.check_audit_verdict,
              "two-directional verdict", "08"),
     Exercise("4b", "ex4_isolation_audit", "isolation_audit", isolation.check_isolation_audit,
@@ -66,30 +75,53 @@ def select(ids: list[str] | None) -> list[Exercise]:
     return chosen
 
 
-def grade_one(ex: Exercise, package: str, quiet: bool = False) -> tuple[bool, str]:
-    """Run one grader on ``package``'s implementation; return (passed, printed message)."""
+def module_file(package: str, module: str) -> Path | None:
+    """The source file of ``package.module`` (imports only the package's ``__init__``)."""
+    try:
+        spec = importlib.util.find_spec(f"{package}.{module}")
+    except (ImportError, ValueError):
+        return None
+    return Path(spec.origin) if spec is not None and spec.origin else None
+
+
+def grade_one(ex: Exercise, package: str, quiet: bool = False, strict: bool = False) -> tuple[bool, str]:
+    """Run one grader on ``package``'s implementation; return (passed, printed message).
+    ``strict`` (graded submissions): the gate also refuses imports of the graders."""
     buf = io.StringIO()
+    path = module_file(package, ex.module)
+    refused = guard.check_file(path, grading_submission=strict) if path is not None else []
     with redirect_stdout(buf):
-        try:
-            target = ex.target(package)
-            kwargs = {k: getattr(importlib.import_module(f"{package}.{ex.module}"), k) for k in ex.extra}
-        except Exception as exc:  # noqa: BLE001 -- a syntax error in one file must not stop the others
-            print(f"❌ {ex.check.__name__}: cannot import {package}.{ex.module}.{ex.name}: "
-                  f"{type(exc).__name__}: {exc}")
+        if refused:
+            print(f"❌ {ex.check.__name__}: not graded -- " + "\n   ".join(refused))
             ok = False
         else:
-            ok = ex.check(target, **kwargs)
+            ok = _run_check(ex, package)
     text = buf.getvalue()
     if not quiet:
         print(text, end="")
     return ok, text
 
 
-def grade(package: str = "exercises", ids: list[str] | None = None, quiet: bool = False) -> dict[str, bool]:
-    """Grade ``package``; returns ``{exercise id: passed}`` and (unless quiet) prints a table."""
+def _run_check(ex: Exercise, package: str) -> bool:
+    try:
+        target = ex.target(package)
+        kwargs = {k: getattr(importlib.import_module(f"{package}.{ex.module}"), k) for k in ex.extra}
+    except Exception as exc:  # noqa: BLE001 -- a syntax error in one file must not stop the others
+        print(f"❌ {ex.check.__name__}: cannot import {package}.{ex.module}.{ex.name}: "
+              f"{type(exc).__name__}: {exc}")
+        return False
+    return ex.check(target, **kwargs)
+
+
+def grade(package: str = "exercises", ids: list[str] | None = None, quiet: bool = False,
+          messages: dict[str, str] | None = None, strict: bool = False) -> dict[str, bool]:
+    """Grade ``package``; returns ``{exercise id: passed}`` and (unless quiet) prints a table.
+    ``messages``, if given, receives each grader's printed verdict."""
     results: dict[str, bool] = {}
     for ex in select(ids):
-        results[ex.id], _ = grade_one(ex, package, quiet)
+        results[ex.id], text = grade_one(ex, package, quiet, strict)
+        if messages is not None:
+            messages[ex.id] = text.strip()
     if not quiet:
         print()
         print(summary_table(results))
@@ -109,11 +141,27 @@ def summary_table(results: dict[str, bool]) -> str:
     return "\n".join(lines)
 
 
-def main(package: str = "exercises", argv: list[str] | None = None) -> int:
+def main(package: str = "exercises", argv: list[str] | None = None, json_path: str | None = None,
+         strict: bool = False) -> int:
     """Entry point of ``python -m <package>.grade [ids...]``: 0 when all pass, 1 otherwise."""
     import warnings
 
     warnings.filterwarnings("ignore", category=UserWarning, module="minikv")
     print(f"grading {package}/ ...\n")
-    results = grade(package, list(argv or []) or None)
+    messages: dict[str, str] = {}
+    results = grade(package, list(argv or []) or None, messages=messages, strict=strict)
+    if json_path:
+        Path(json_path).write_text(json.dumps({"results": results, "messages": messages}, ensure_ascii=False))
     return 0 if all(results.values()) else 1
+
+
+if __name__ == "__main__":
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m minikv.grading.runner", description="grade a package of exercises")
+    ap.add_argument("package", help="importable package name (exercises, solutions, or a submission)")
+    ap.add_argument("ids", nargs="*", help="exercise ids (default: all)")
+    ap.add_argument("--json", dest="json_path", help="also write the results to this JSON file")
+    ap.add_argument("--strict", action="store_true", help="graded submission: also refuse imports of the graders")
+    a = ap.parse_args()
+    sys.exit(main(a.package, a.ids, a.json_path, a.strict))

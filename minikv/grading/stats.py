@@ -59,37 +59,81 @@ def _close(a: float, b: float) -> bool:
     return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-12)
 
 
-@grader("scipy.stats.ks_2samp(hit, miss, alternative=...) -- which alternative means 'hits are faster'?")
+def _same_p(a: float, b: float) -> bool:
+    """p-values compared relatively (1e-20 and 2e-20 differ: that factor 2 is the two-sided mistake)."""
+    return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-300)
+
+
+def accepted_pvalues(hit, miss) -> dict[str, float]:
+    """The one-sided p-values a correct ``ks_test`` may return: methods differ, meaning does not.
+    (A negative control: exact and asymptotic p-values must both be accepted.)"""
+    from scipy import stats as st
+
+    h, m = np.asarray(hit, float), np.asarray(miss, float)
+    d = ref.ks_test(hit, miss)[0]
+    n = len(h) * len(m) / (len(h) + len(m))
+    return {"reference": ref.ks_test(hit, miss)[1],
+            "exact": float(st.ks_2samp(h, m, alternative="greater", method="exact").pvalue),
+            "asymptotic": float(st.ks_2samp(h, m, alternative="greater", method="asymp").pvalue),
+            "textbook asymptotic": float(min(1.0, math.exp(-2.0 * n * d * d)))}
+
+
+def _two_sided(hit, miss) -> tuple[float, set[float]]:
+    from scipy import stats as st
+
+    h, m = np.asarray(hit, float), np.asarray(miss, float)
+    res = [st.ks_2samp(h, m, method=meth) for meth in ("exact", "asymp")]
+    return float(res[0].statistic), {float(r.pvalue) for r in res}
+
+
+@grader("the statistic is how far the hits' empirical CDF rises ABOVE the misses' (hits faster); the p-value must "
+        "belong to that same one-sided alternative.")
 def check_ks_test(ks_test) -> str:
-    """Exercise 5a: (statistic, p-value) equal to minikv.audit.stats.ks_test on every dataset."""
+    """Exercise 5a: the statistic equals minikv.audit.stats.ks_test's; the p-value is one of the
+    accepted one-sided methods (exact or asymptotic), never a two-sided one."""
     sets = datasets()
+    methods_seen = set()
     for name, hit, miss in sets:
         for convert in (list, np.asarray):
             got = ks_test(convert(hit), convert(miss))
             expect(isinstance(got, tuple) and len(got) == 2, f"ks_test returned {got!r}; expected (statistic, pvalue)")
             stat, p = float(got[0]), float(got[1])
-            want_stat, want_p = ref.ks_test(hit, miss)
-            if _close(stat, want_stat) and _close(p, want_p):
+            want_stat = ref.ks_test(hit, miss)[0]
+            two_stat, two_ps = _two_sided(hit, miss)
+            if not _close(stat, want_stat):
+                if _close(stat, ref.ks_test(miss, hit)[0]):
+                    raise CheckFailed(f"on '{name}' your statistic {stat:.6g} is the OTHER direction's (hits slower; "
+                                      f"the right one is {want_stat:.6g}) (bug class: wrong alternative)",
+                                      "max(F_hit - F_miss), not max(F_miss - F_hit): hits rise earlier when faster.")
+                if _close(stat, two_stat):
+                    raise CheckFailed(f"on '{name}' your statistic {stat:.6g} is the two-sided one (the one-sided is "
+                                      f"{want_stat:.6g}) (bug class: two-sided test)",
+                                      "a two-sided test also fires when hits are SLOWER; only faster hits are evidence.")
+                raise CheckFailed(f"on '{name}' (n={len(hit)}/{len(miss)}) your statistic is {stat:.6g}; the one-sided "
+                                  f"KS statistic is {want_stat:.6g}",
+                                  "evaluate both empirical CDFs at every pooled sample value (side='right').")
+            ok = {k for k, v in accepted_pvalues(hit, miss).items() if _same_p(p, v)}
+            if ok:
+                methods_seen |= ok
                 continue
-            two_sided = _close(stat, max(want_stat, ref.ks_test(miss, hit)[0]))
+            if any(_same_p(p, q) for q in two_ps):
+                raise CheckFailed(f"on '{name}' your p-value {p:.3g} is a TWO-SIDED test's (bug class: two-sided test "
+                                  "instead of one-sided)", "a two-sided test also fires when hits are slower, and its "
+                                  "p-value is about twice the one-sided one: use the one-sided alternative.")
             if name == "hits slower" and p < 1e-3:
                 raise CheckFailed(f"on '{name}' your p-value is {p:.2e}: you report slower 'hits' as evidence of a "
-                                  "cache", "a one-sided test for 'hit times are smaller': slower hits must give "
-                                  "p close to 1.  Check the `alternative` argument (and which sample is x).")
+                                  "cache (bug class: wrong alternative)",
+                                  "check the `alternative` argument, and which sample is x.")
             if name == "hits faster" and p > 1e-3:
-                raise CheckFailed(f"on '{name}' your p-value is {p:.2e}: the test misses a clear cache signal",
-                                  "you test the opposite direction: 'greater' means the CDF of x lies above the "
-                                  "CDF of y, i.e. x tends to be SMALLER.")
-            hint = ("a two-sided test doubles (roughly) the one-sided p-value and also fires when hits are slower; "
-                    "use a one-sided alternative." if two_sided else
-                    "compare your numbers with minikv.audit.stats.ks_test(hit, miss).")
-            raise CheckFailed(f"on '{name}' (n={len(hit)}/{len(miss)}) you returned statistic={stat:.6g}, "
-                              f"p={p:.6g}; the reference gives statistic={want_stat:.6g}, p={want_p:.6g}", hint)
-    return ("equals minikv.audit.stats.ks_test on every dataset (synthetic, plus Gu et al.'s released runs when "
-            "minikv.audit.gu finds them)")
+                raise CheckFailed(f"on '{name}' your p-value is {p:.2e}: the test misses a clear cache signal (bug "
+                                  "class: wrong alternative)", "'greater' means the CDF of x lies ABOVE the CDF of y.")
+            raise CheckFailed(f"on '{name}' (n={len(hit)}/{len(miss)}) your p-value {p:.6g} is none of the one-sided "
+                              "KS p-values (exact or asymptotic)", "take the p-value of the same one-sided test.")
+    return ("one-sided statistic equal to minikv.audit.stats.ks_test on every dataset; p-values accepted as "
+            f"{' / '.join(sorted(methods_seen))}")
 
 
-@grader("AUC = mean over all (hit, miss) pairs of [hit < miss] + 0.5 * [hit == miss].")
+@grader("the AUC is the share of (hit, miss) pairs that 'smaller latency => hit' orders correctly.")
 def check_roc_auc(roc_auc) -> str:
     """Exercise 5b: equal to minikv.audit.stats.roc_auc on every dataset."""
     sets = datasets()
@@ -100,9 +144,16 @@ def check_roc_auc(roc_auc) -> str:
             if math.isclose(got, want, abs_tol=1e-9):
                 continue
             if math.isclose(got, 1.0 - want, abs_tol=1e-9):
-                raise CheckFailed(f"on '{name}' your AUC is {got:.4f}, the reference {want:.4f}: exactly 1 - AUC",
+                raise CheckFailed(f"on '{name}' your AUC is {got:.4f}, the reference {want:.4f}: exactly 1 - AUC "
+                                  "(bug class: flipped orientation)",
                                   "the classifier says 'hit' for SMALLER latencies: count pairs with hit < miss.")
+            h, m = np.asarray(hit, float)[:, None], np.asarray(miss, float)[None, :]
+            ties = float((h == m).mean())
+            if ties and (math.isclose(got, want - 0.5 * ties, abs_tol=1e-9) or math.isclose(got, want + 0.5 * ties,
+                                                                                              abs_tol=1e-9)):
+                raise CheckFailed(f"on '{name}' your AUC is {got:.6f}, the reference {want:.6f}: off by exactly half "
+                                  "the tied pairs (bug class: ties not counted one half)",
+                                  "a tie (hit == miss) is a coin flip for the classifier: it counts one half.")
             raise CheckFailed(f"on '{name}' (n={len(hit)}/{len(miss)}) your AUC is {got:.6f}, the reference "
-                              f"{want:.6f}", "ties (hit == miss) count one half." if "tie" in name else
-                              "compare with minikv.audit.stats.roc_auc(hit, miss).")
+                              f"{want:.6f}", "count the (hit, miss) pairs the classifier orders correctly.")
     return "equals minikv.audit.stats.roc_auc on every dataset; ties count one half"

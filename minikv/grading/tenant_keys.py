@@ -9,11 +9,15 @@ tests the contract on direct calls, then installs the code in an engine (the wor
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
+import unicodedata
 
 from ..engine.block_manager import BlockManager
 from ..engine.sequence import Sequence
-from ..security.hashing import make_hasher
+from ..security.encoding import encode_fields as ref_encode_fields
+from ..security.hashing import BLOCK_LABEL, make_hasher
+from ..security.keys import TENANT_LABEL
 from ..security.keys import derive_tenant_key as ref_derive_tenant_key
 from ._report import CheckFailed, call_safely, expect, grader
 from .hashing import (KEY_A, KEY_B, check_block_hash_properties, engine_stage_block_keys, engine_stage_hasher,
@@ -25,10 +29,40 @@ SECRET_B = bytes(range(1, 33))
 
 # --------------------------------------------------------------------------- 2a tenant keys
 
-@grader("key = HMAC-SHA256(engine_secret, encode_fields(TENANT_LABEL, tenant)); check the secret's type and length first.")
-def check_tenant_key_derivation(derive_tenant_key) -> str:
-    """Exercise 2a: a server-side PRF of (secret, tenant); then used by a real engine."""
-    tenants = ["alice", "bob", "", None, "alice ", "Alice", "a", "lice"]
+def _adhoc(secret: bytes, message: bytes) -> dict[bytes, str]:
+    """Keyed hashes that are NOT HMAC, built the way people improvise them."""
+    return {hashlib.sha256(secret + message).digest(): "sha256(secret || message)",
+            hashlib.sha256(message + secret).digest(): "sha256(message || secret)",
+            hashlib.sha256(secret + b"|" + message).digest(): "sha256(secret | message)"}
+
+
+#: tenant names that real encodings have confused: None vs "None" vs "", case, spaces, separators,
+#: and two Unicode forms of one visible name (NFC "é" vs NFD "e" + combining accent) -- different
+#: identities to the auth layer, so different tenants here.
+TENANTS = ["alice", "bob", "", None, "None", "alice ", "Alice", "a", "lice", "a|b", "a", "caf\u00e9", "cafe\u0301",
+           "caf", "\u00c5ngstr\u00f6m", "A\u030angstro\u0308m"]
+
+
+def _collision_class(a, b) -> str:
+    if None in (a, b) and ({a, b} & {"None", ""}):
+        return f"two different tenants map to the same key: {tenant_name(a)} and {tenant_name(b)} (bug class: " \
+               "untyped tenant encoding -- None, '' and 'None' are three tenants)"
+    if isinstance(a, str) and isinstance(b, str) and unicodedata.normalize("NFC", a) == unicodedata.normalize("NFC", b):
+        return f"two different tenants map to the same key: {a!r} and {b!r}, two Unicode forms (bug class: " \
+               "normalising or lossy-encoding tenant names -- the auth layer's ids are opaque)"
+    if isinstance(a, str) and isinstance(b, str) and a.encode("ascii", "ignore") == b.encode("ascii", "ignore"):
+        return f"two different tenants map to the same key: {a!r} and {b!r} (bug class: lossy encoding of names " \
+               "-- non-ASCII characters dropped)"
+    return f"two different tenants map to the same key: {tenant_name(a)} and {tenant_name(b)}"
+
+
+@grader("a tenant key only the server can compute: keyed with the engine secret by a real MAC, distinct for every "
+        "tenant name.")
+def check_tenant_key_derivation(derive_tenant_key, encode_fields=None) -> str:
+    """Exercise 2a: a server-side PRF of (secret, tenant); then used by a real engine.  With
+    ``encode_fields`` (the learner's 1a), the construction itself is checked: an HMAC, not an
+    improvised keyed hash."""
+    tenants = list(dict.fromkeys(TENANTS))
     k = derive_tenant_key(SECRET_A, "alice")
     expect(isinstance(k, bytes), f"derive_tenant_key returned {type(k).__name__}, expected bytes")
     expect(len(k) >= 16, f"the key has {len(k)} bytes; an HMAC-SHA256 key has 32", "return the full HMAC digest.")
@@ -36,8 +70,8 @@ def check_tenant_key_derivation(derive_tenant_key) -> str:
            "derive the key deterministically from (secret, tenant), or the tenant never hits its own cache.")
     keys = {t: derive_tenant_key(SECRET_A, t) for t in tenants}
     for a, b in itertools.combinations(tenants, 2):
-        expect(keys[a] != keys[b], f"tenants {tenant_name(a)} and {tenant_name(b)} got the same key",
-               "encode the tenant with a typed encoding (None and '' must differ) before the HMAC.")
+        expect(keys[a] != keys[b], _collision_class(a, b),
+               "encode the tenant name exactly, typed, before the MAC: no str(), no `or ''`, no normalisation.")
     for t in ("alice", None):
         expect(derive_tenant_key(SECRET_B, t) != keys[t],
                f"two different engine secrets gave tenant {tenant_name(t)} the same key: anyone who knows the "
@@ -46,6 +80,13 @@ def check_tenant_key_derivation(derive_tenant_key) -> str:
         expect(SECRET_A not in key and key not in SECRET_A,
                f"the key of tenant {tenant_name(t)} contains the engine secret (or is part of it)",
                "never put the secret itself into a key: run it through HMAC.")
+    for t in ("alice", None):
+        improvised = {}
+        for enc in {encode_fields or ref_encode_fields, ref_encode_fields}:
+            improvised.update(_adhoc(SECRET_A, enc(TENANT_LABEL, t)))
+        expect(keys[t] not in improvised, f"the key of {tenant_name(t)} is {improvised.get(keys[t])}: an improvised "
+               "keyed hash, not HMAC (bug class: ad-hoc keyed hash)", "plain SHA-256 over secret-and-message is open "
+               "to length extension and has no proof as a PRF; HMAC is the construction built for this.")
     for bad, exc_type, what in ((b"short", ValueError, "a 5-byte secret"), (b"", ValueError, "an empty secret"),
                                 ("x" * 32, TypeError, "a str secret")):
         _, exc = call_safely(derive_tenant_key, bad, "alice")
@@ -66,14 +107,24 @@ def check_tenant_key_derivation(derive_tenant_key) -> str:
 
 # --------------------------------------------------------------------------- 2b keyed hasher
 
-@grader("hmac.digest(tenant_key or self._shared_key, encode_fields(BLOCK_LABEL, parent, tuple(tokens), "
-        "tuple(extra), tenant_key is not None), 'sha256') -- in EVERY block.")
-def check_tenant_keyed_hasher(hasher_cls) -> str:
+@grader("a real MAC keyed with the tenant key, in EVERY block; shared blocks keyed from the secret too.")
+def check_tenant_keyed_hasher(hasher_cls, encode_fields=None) -> str:
     """Exercise 2b: a keyed BlockHasher; the key must enter every block (shared prefixes!)."""
     _, exc = call_safely(hasher_cls, b"short")
     expect(isinstance(exc, ValueError), "TenantKeyedHasher(b'short') did not raise ValueError",
            "refuse engine secrets shorter than 16 bytes.")
     h = hasher_cls(SECRET_A)
+    for parent in (None, b"\x07" * 32):
+        got = h(parent, (1, 2, 3, 4), (), KEY_A)
+        improvised = {}
+        for enc in {encode_fields or ref_encode_fields, ref_encode_fields}:
+            for message in (enc(BLOCK_LABEL, parent, (1, 2, 3, 4), (), True), enc(parent, (1, 2, 3, 4), ()),
+                            enc(BLOCK_LABEL, parent, (1, 2, 3, 4), ())):
+                improvised.update(_adhoc(KEY_A, message))
+        expect(got not in improvised, f"the block key is {improvised.get(got)} keyed with the tenant key: an "
+               "improvised keyed hash, not HMAC (bug class: ad-hoc keyed hash)",
+               "sha256(key || message) is open to length extension: anyone holding one block key can compute "
+               "keys of longer messages.  Use HMAC.")
     check_block_hash_properties(h, "TenantKeyedHasher(secret)")
     expect(hasher_cls(SECRET_A)(None, (1, 2), (), KEY_A) == h(None, (1, 2), (), KEY_A),
            "two hashers built from the same secret disagree", "no randomness: keys must survive a restart.")
@@ -107,8 +158,8 @@ def _engine_keys(hasher, token_ids, block_size, tenant_key, public_len) -> list[
     return [bm.block_hash(seq, i) for i in range(len(token_ids) // block_size)]
 
 
-@grader("parent = None; for each full block i: key = hasher(parent, block_i, (), None if (i+1)*bs <= public_len "
-        "else tenant_key); parent = key.")
+@grader("chain every full block onto the previous key; the tenant key goes into every block after the public "
+        "prefix.")
 def check_block_keys(block_keys) -> str:
     """Exercise 2c: the chain plumbing equals the engine's, then isolates inside the engine."""
     hasher = make_hasher("hmac-sha256", SECRET_A)

@@ -28,7 +28,9 @@ from .audit import (audit_everything_cross, audit_no_copy, audit_one_direction, 
 from .hashing import (encode_json_like, encode_no_length, encode_untyped, hash_ignores_tenant,
                       hash_packed_no_boundaries, hash_unchained, hash_untyped_concat)
 from .scrubbing import (ScrubDeferred, ScrubFirstBlockOnly, ScrubNothing, ScrubOnlyK, ScrubWholePool,
-                        zero_k_only, zero_layer0_only, zero_out_of_place, zero_wrong_dim)
+                        place_finished_only, place_keep_evicted, place_needs_a_request, place_on_release,
+                        place_skip_aborted, place_wipe_hits, zero_k_only, zero_layer0_only, zero_on_a_copy,
+                        zero_out_of_place, zero_wrong_dim)
 from .stats import auc_flipped, auc_ignores_ties, ks_two_sided, ks_wrong_alternative
 from .tenant_keys import (KeyedFirstBlockOnly, KeyedSaltNeverUsed, KeyedTruncated, derive_concat,
                           derive_no_secret_check, derive_none_is_empty, derive_unkeyed, keys_salt_last_block_only,
@@ -39,8 +41,18 @@ MUTANTS: dict[str, list[tuple[str, object, str]]] = {
     **hashing.MUTANTS, **tenant_keys.MUTANTS, **scrubbing.MUTANTS, **audit.MUTANTS, **stats.MUTANTS,
 }
 
+#: (exercise id, mutant name) -> words the grader's verdict must contain: the bug class it names
+DIAGNOSES: dict[tuple[str, str], str] = {
+    **hashing.DIAGNOSES, **tenant_keys.DIAGNOSES, **scrubbing.DIAGNOSES, **audit.DIAGNOSES, **stats.DIAGNOSES,
+}
+
+#: exercise id -> correct implementations that differ only in method: graders must ACCEPT them
+NEGATIVE_CONTROLS = dict(stats.NEGATIVE_CONTROLS)
+
 __all__ = [
-    "MUTANTS",
+    "MUTANTS", "DIAGNOSES", "NEGATIVE_CONTROLS",
+    "zero_on_a_copy", "place_wipe_hits", "place_on_release", "place_keep_evicted", "place_finished_only",
+    "place_skip_aborted", "place_needs_a_request",
     "encode_untyped", "encode_no_length", "encode_json_like",
     "hash_untyped_concat", "hash_unchained", "hash_packed_no_boundaries", "hash_ignores_tenant",
     "derive_unkeyed", "derive_none_is_empty", "derive_concat", "derive_no_secret_check",

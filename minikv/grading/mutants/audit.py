@@ -25,6 +25,13 @@ def verdict_wrong_order(cross, same) -> str:
     return "fail" if cross > 0 else "pass"
 
 
+def verdict_strict_pass(cross, same) -> str:
+    """Treats 'no hit at all' as a failure: an engine with caching off 'fails' its isolation audit."""
+    if cross > 0 or same == 0:
+        return "fail"
+    return "pass"
+
+
 def _docs(llm, tenants, seed):
     eng = llm.engine
     rng = random.Random(seed)
@@ -76,6 +83,22 @@ def audit_sequential(llm, tenants=("alice", "bob", "carol"), doc_blocks=3, seed=
     return _report(len(tenants) * 3, cross, same, _good_verdict(cross, same))
 
 
+def audit_grouped_by_tenant(llm, tenants=("alice", "bob", "carol"), doc_blocks=3, seed=0):
+    """'Concurrent' in name only: each wave is sent one tenant at a time (a list per tenant), so the
+    victim's and the prober's requests never share a scheduler step."""
+    docs, fresh, bs = _docs(llm, list(tenants), seed)
+    tenants = list(tenants)
+    cross = same = 0
+    for t in tenants:
+        cross += sum(o.num_cached_tokens for o in llm.generate([docs[t] + fresh(bs)], _AUDIT_PARAMS, tenant=[t]))
+    for i, u in enumerate(tenants):
+        other = docs[tenants[(i + 1) % len(tenants)]]
+        outs = llm.generate([docs[u] + fresh(bs), other + fresh(bs)], _AUDIT_PARAMS, tenant=[u, u])
+        same += outs[0].num_cached_tokens
+        cross += outs[1].num_cached_tokens
+    return _report(len(tenants) * 3, cross, same, _good_verdict(cross, same))
+
+
 def audit_everything_cross(llm, tenants=("alice", "bob", "carol"), doc_blocks=3, seed=0):
     """Counts every cached token as cross-tenant: even a tenant's own re-send 'leaks'."""
     docs, fresh, bs = _docs(llm, list(tenants), seed)
@@ -102,7 +125,18 @@ def audit_no_copy(llm, tenants=("alice", "bob", "carol"), doc_blocks=3, seed=0):
 
 
 MUTANTS = {
-    "4a": entries(("one-direction", verdict_one_direction), ("wrong-order", verdict_wrong_order)),
+    "4a": entries(("one-direction", verdict_one_direction), ("wrong-order", verdict_wrong_order),
+                  ("strict-pass", verdict_strict_pass)),
     "4b": entries(("one-direction", audit_one_direction), ("sequential", audit_sequential),
+                  ("grouped-by-tenant", audit_grouped_by_tenant),
                   ("everything-cross", audit_everything_cross), ("no-copy", audit_no_copy)),
+}
+
+
+DIAGNOSES = {
+    ("4a", "one-direction"): "one-directional audit", ("4a", "wrong-order"): "wrong order",
+    ("4a", "strict-pass"): "reported as a leak",
+    ("4b", "one-direction"): "one-directional audit", ("4b", "sequential"): "never share a scheduler step",
+    ("4b", "grouped-by-tenant"): "never share a scheduler step", ("4b", "everything-cross"): "wrong direction",
+    ("4b", "no-copy"): "blind to the leak",
 }

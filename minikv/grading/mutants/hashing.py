@@ -23,6 +23,12 @@ def encode_untyped(*fields) -> bytes:
     return b"|".join(str(f).encode() for f in fields)
 
 
+def encode_typed_separator(*fields) -> bytes:
+    """Type-prefixed fields joined with '|' ('str:alice|int:3'): a name that contains the separator and
+    a prefix, 'a|str:b', reads as two fields."""
+    return "|".join(f"{type(f).__name__}:{f}" for f in fields).encode()
+
+
 def encode_no_length(*fields) -> bytes:
     """Type tags but no lengths: (b'a', b'bc') and (b'ab', b'c') give the same bytes."""
     out = b""
@@ -76,7 +82,16 @@ def hash_ignores_tenant(parent, tokens, extra, tenant_key) -> bytes:
 
 
 MUTANTS = {
-    "1a": entries(("untyped", encode_untyped), ("no-length", encode_no_length), ("repr", encode_json_like)),
+    "1a": entries(("untyped", encode_untyped), ("no-length", encode_no_length), ("repr", encode_json_like),
+                  ("typed-separator", encode_typed_separator)),
     "1b": entries(("untyped-concat", hash_untyped_concat), ("unchained", hash_unchained),
                   ("packed-no-boundaries", hash_packed_no_boundaries), ("ignores-tenant", hash_ignores_tenant)),
+}
+
+
+DIAGNOSES = {
+    ("1a", "untyped"): "containing the separator", ("1a", "no-length"): "boundary moved",
+    ("1a", "repr"): "a list and a tuple", ("1a", "typed-separator"): "containing the separator",
+    ("1b", "untyped-concat"): "without separators are ambiguous", ("1b", "unchained"): "changing only `parent`",
+    ("1b", "packed-no-boundaries"): "need length prefixes", ("1b", "ignores-tenant"): "changing only `tenant_key`",
 }

@@ -32,6 +32,16 @@ def zero_wrong_dim(pool, block_ids):
         pool.v_cache[ids] = 0
 
 
+def zero_on_a_copy(pool, block_ids):
+    """Advanced indexing, then an in-place op: ``pool.k_cache[:, ids]`` is a COPY, so ``.zero_()``
+    zeroes the copy and the pool keeps every byte."""
+    import torch
+    if block_ids:
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long)
+        pool.k_cache[:, idx].zero_()
+        pool.v_cache[:, idx].zero_()
+
+
 def zero_out_of_place(pool, block_ids):
     """Builds a zeroed copy of the whole pool (twice the memory) and rebinds the attributes."""
     import torch
@@ -109,9 +119,75 @@ class ScrubWholePool:
         pool.v_cache.zero_()
 
 
+# ============================================================================ 3b placement
+# Each decides ZERO/KEEP per lifecycle event (transition, seq); exercise 3b's PlacedScrubber runs it.
+
+from ...engine.lifecycle import Transition as _T  # noqa: E402
+from ...engine.sequence import SequenceStatus as _S  # noqa: E402
+
+_INTO_FREE_LIST = (_T.FREE, _T.EVICT)
+
+
+def place_wipe_hits(transition, seq):
+    """'Scrub every time a block changes hands', hits included: a hit's K/V are wiped before the
+    hitting request reads them."""
+    _T(transition)
+    return "zero" if transition in (*_INTO_FREE_LIST, _T.HIT) else "keep"
+
+
+def place_on_release(transition, seq):
+    """'Scrub when the request lets go': zeroes blocks released INTO the cache too, so every cached
+    prefix is zeros when the next request hits it."""
+    _T(transition)
+    return "zero" if transition in (*_INTO_FREE_LIST, _T.CACHE) else "keep"
+
+
+def place_keep_evicted(transition, seq):
+    """'Evicted blocks are cached data, keep them': zeroes only on 'free', so an evicted block reaches
+    its next owner intact."""
+    _T(transition)
+    return "zero" if transition == _T.FREE else "keep"
+
+
+def place_finished_only(transition, seq):
+    """'Scrub when the request is done': zeroes a 'free' only for a FINISHED request -- a preempted
+    request is still running when its blocks are released."""
+    _T(transition)
+    if transition == _T.FREE:
+        return "zero" if seq is not None and seq.status == _S.FINISHED else "keep"
+    return "zero" if transition == _T.EVICT else "keep"
+
+
+def place_skip_aborted(transition, seq):
+    """'An aborted request was cancelled, nothing to clean up': keeps the blocks of aborts."""
+    _T(transition)
+    if transition == _T.FREE and seq is not None and seq.finish_reason == "abort":
+        return "keep"
+    return "zero" if transition in _INTO_FREE_LIST else "keep"
+
+
+def place_needs_a_request(transition, seq):
+    """Looks at the request behind each eviction, and keeps when there is none: the operator's
+    reset_prefix_cache (seq=None) frees every cached block unscrubbed."""
+    _T(transition)
+    if seq is None:
+        return "keep"
+    return "zero" if transition in _INTO_FREE_LIST else "keep"
+
+
 MUTANTS = {
     "3a": entries(("k-only", zero_k_only), ("layer0-only", zero_layer0_only), ("wrong-dim", zero_wrong_dim),
-                  ("out-of-place", zero_out_of_place)),
-    "3b": entries(("nothing", ScrubNothing), ("deferred", ScrubDeferred), ("first-block-only", ScrubFirstBlockOnly),
-                  ("k-only", ScrubOnlyK), ("whole-pool", ScrubWholePool)),
+                  ("on-a-copy", zero_on_a_copy), ("out-of-place", zero_out_of_place)),
+    "3b": entries(("wipe-hits", place_wipe_hits), ("on-release", place_on_release),
+                  ("keep-evicted", place_keep_evicted), ("finished-only", place_finished_only),
+                  ("skip-aborted", place_skip_aborted), ("needs-a-request", place_needs_a_request)),
+}
+
+#: mutant -> the words its grader's verdict must contain (the bug class it names)
+DIAGNOSES = {
+    ("3a", "k-only"): "still holds V", ("3a", "layer0-only"): "layer(s) [1", ("3a", "wrong-dim"): "not in the list",
+    ("3a", "on-a-copy"): "COPY", ("3a", "out-of-place"): "in place",
+    ("3b", "wipe-hits"): "wipes every HIT", ("3b", "on-release"): "released INTO the cache",
+    ("3b", "keep-evicted"): "LRU EVICTION", ("3b", "finished-only"): "PREEMPTION",
+    ("3b", "skip-aborted"): "ABORT", ("3b", "needs-a-request"): "reset_prefix_cache",
 }

@@ -35,6 +35,42 @@ def derive_concat(engine_secret, tenant) -> bytes:
     return bytes(engine_secret) + _typed(tenant)
 
 
+def _check(engine_secret):
+    if not isinstance(engine_secret, bytes):
+        raise TypeError("secret must be bytes")
+    if len(engine_secret) < 16:
+        raise ValueError("short secret")
+
+
+def derive_str_tenant(engine_secret, tenant) -> bytes:
+    """HMAC over ``str(tenant)``: the anonymous tenant (None) shares the key of the tenant named 'None'."""
+    _check(engine_secret)
+    return hmac.digest(engine_secret, f"minikv/tenant-key/v1:{tenant}".encode(), "sha256")
+
+
+def derive_nfc_normalised(engine_secret, tenant) -> bytes:
+    """'Normalise the name first': NFC-normalises, so two distinct ids that render alike ('café' composed
+    and decomposed) share one key."""
+    import unicodedata
+    _check(engine_secret)
+    name = None if tenant is None else unicodedata.normalize("NFC", tenant)
+    return hmac.digest(engine_secret, _typed("minikv/tenant-key/v1", name), "sha256")
+
+
+def derive_ascii_lossy(engine_secret, tenant) -> bytes:
+    """Encodes the name with ``encode('ascii', 'ignore')``: 'café' and 'caf' become the same tenant."""
+    _check(engine_secret)
+    name = None if tenant is None else tenant.encode("ascii", "ignore")
+    return hmac.digest(engine_secret, _typed("minikv/tenant-key/v1", name), "sha256")
+
+
+def derive_sha256_concat(engine_secret, tenant) -> bytes:
+    """``sha256(secret || message)`` in place of HMAC: an improvised keyed hash (length extension)."""
+    from ...security.encoding import encode_fields
+    _check(engine_secret)
+    return hashlib.sha256(engine_secret + encode_fields("minikv/tenant-key/v1", tenant)).digest()
+
+
 def derive_no_secret_check(engine_secret, tenant) -> bytes:
     """Correct HMAC, but an empty or 5-byte secret is accepted (brute-forceable keys)."""
     return hmac.digest(bytes(engine_secret, "utf-8") if isinstance(engine_secret, str) else engine_secret,
@@ -65,6 +101,15 @@ class KeyedFirstBlockOnly(_KeyedBase):
     def __call__(self, parent, tokens, extra, tenant_key):
         key = tenant_key if (parent is None and tenant_key is not None) else self._shared
         return hmac.digest(key, _typed(parent, tuple(tokens), tuple(extra)), "sha256")
+
+
+class KeyedSha256Concat(_KeyedBase):
+    """``sha256(tenant_key || message)`` in place of HMAC: an improvised keyed hash."""
+
+    def __call__(self, parent, tokens, extra, tenant_key):
+        key = self._shared if tenant_key is None else tenant_key
+        return hashlib.sha256(key + _typed("minikv/keyed-block/v1", parent, tuple(tokens), tuple(extra),
+                                           tenant_key is not None)).digest()
 
 
 class KeyedTruncated(_KeyedBase):
@@ -120,9 +165,23 @@ def keys_unchained(hasher, token_ids, block_size, tenant_key=None, public_len=0)
 
 MUTANTS = {
     "2a": entries(("unkeyed", derive_unkeyed), ("none-is-empty", derive_none_is_empty), ("concat", derive_concat),
-                  ("no-secret-check", derive_no_secret_check)),
+                  ("no-secret-check", derive_no_secret_check), ("str-tenant", derive_str_tenant),
+                  ("nfc-normalised", derive_nfc_normalised), ("ascii-lossy", derive_ascii_lossy),
+                  ("sha256-concat", derive_sha256_concat)),
     "2b": entries(("salt-never-used", KeyedSaltNeverUsed), ("first-block-only", KeyedFirstBlockOnly),
-                  ("truncated", KeyedTruncated)),
+                  ("truncated", KeyedTruncated), ("sha256-concat", KeyedSha256Concat)),
     "2c": entries(("salt-last-block-only", keys_salt_last_block_only), ("salt-never-passed", keys_salt_never_passed),
                   ("straddling-block-public", keys_straddling_block_public), ("unchained", keys_unchained)),
+}
+
+
+DIAGNOSES = {
+    ("2a", "unkeyed"): "anyone who knows the tenant's name", ("2a", "none-is-empty"): "untyped tenant encoding",
+    ("2a", "concat"): "contains the engine secret", ("2a", "no-secret-check"): "accepted a 5-byte secret",
+    ("2a", "str-tenant"): "None (anonymous) and 'None'", ("2a", "nfc-normalised"): "two Unicode forms",
+    ("2a", "ascii-lossy"): "lossy encoding", ("2a", "sha256-concat"): "ad-hoc keyed hash",
+    ("2b", "salt-never-used"): "changing only `tenant_key`", ("2b", "first-block-only"): "only enters the first block",
+    ("2b", "truncated"): "at least 16 are needed", ("2b", "sha256-concat"): "ad-hoc keyed hash",
+    ("2c", "salt-last-block-only"): "without the tenant key", ("2c", "salt-never-passed"): "without the tenant key",
+    ("2c", "straddling-block-public"): "public_len=6", ("2c", "unchained"): "without its parent",
 }

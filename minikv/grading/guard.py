@@ -1,0 +1,83 @@
+"""The reference-import gate: an exercise file may not import the engine's own answers.
+
+minikv ships the reference implementations of what the exercises ask for -- the hashers, keys and
+scrubbers of ``minikv.security``, the oracle attack of ``minikv.attacks.prefix_oracle`` and the
+probing detector of ``minikv.audit.detector``.  A file that imports them would be graded on the
+engine's work, not the learner's, so :func:`forbidden_imports` reads the file's syntax tree (it
+never runs it) and :func:`check_file` turns every hit into a message that says why.
+
+Caught: ``import minikv.security``, ``from minikv.security.scrub import ...``, ``from minikv import
+security``, ``from minikv.attacks import prefix_oracle``, and the same names written as strings
+in ``importlib.import_module(...)`` / ``__import__(...)`` calls.  Submissions graded with
+``make grade DIR=...`` are additionally refused any import of ``minikv.grading`` (the graders).
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+#: module prefixes an exercise file must never import, and why
+FORBIDDEN: dict[str, str] = {
+    "minikv.security": "minikv.security holds the reference hashers, tenant keys and scrubbers",
+    "minikv.attacks.prefix_oracle": "minikv.attacks.prefix_oracle is the reference oracle attack",
+    "minikv.audit.detector": "minikv.audit.detector is the reference probing detector",
+}
+#: also forbidden in graded submissions: code that could reach into the graders
+GRADER_MODULES: dict[str, str] = {"minikv.grading": "minikv.grading holds the graders themselves"}
+#: the given plumbing exercise files may import (no answer in it)
+ALLOWED = ("minikv.grading.harness",)
+
+
+def _hits(name: str, rules: dict[str, str]) -> str | None:
+    if any(name == a or name.startswith(a + ".") for a in ALLOWED):
+        return None
+    for prefix, why in rules.items():
+        if name == prefix or name.startswith(prefix + "."):
+            return why
+    return None
+
+
+def _names(node: ast.AST) -> list[str]:
+    """Absolute module names an import statement (or import call) can bring in."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if isinstance(node, ast.ImportFrom):
+        if node.level or not node.module:
+            return []  # relative: the learner's own package
+        if any(node.module == a for a in ALLOWED):
+            return [node.module]
+        return [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+    if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+            and isinstance(node.args[0].value, str):
+        fn = node.func
+        called = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
+        if called in ("import_module", "__import__"):
+            return [node.args[0].value]
+    return []
+
+
+def forbidden_imports(source: str, filename: str = "<exercise>",
+                      rules: dict[str, str] = FORBIDDEN) -> list[tuple[int, str, str]]:
+    """``[(line, module, why), ...]`` for every import of a forbidden module in ``source``.
+
+    Raises ``SyntaxError`` if the source does not parse (the runner reports that separately)."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename)):
+        for name in _names(node):
+            why = _hits(name, rules)
+            if why:
+                found.append((node.lineno, name, why))
+                break
+    return found
+
+
+def check_file(path: Path, grading_submission: bool = False) -> list[str]:
+    """Messages for every forbidden import in ``path`` (empty: the file may be graded)."""
+    rules = {**FORBIDDEN, **(GRADER_MODULES if grading_submission else {})}
+    try:
+        hits = forbidden_imports(Path(path).read_text(encoding="utf-8"), str(path), rules)
+    except (SyntaxError, ValueError):
+        return []  # the import itself will fail and be reported with the syntax error
+    return [f"{Path(path).name}:{line} imports {module}: {why}.  The grader refuses a file that imports it: "
+            f"the grade must measure your code, not the engine's own answer.  Write it yourself."
+            for line, module, why in hits]

@@ -1,0 +1,163 @@
+"""Tiered hints: ``make hint EX=2a`` prints level 1, then 2 and 3 on repeat calls.
+
+Level 1 points at the idea, level 2 at the mechanism (names the tools, no code), level 3 -- the
+only one allowed to show code -- sketches the shape of the answer.  Nothing here is the
+solution: level 3 leaves the learner a line or two to think through.  The level each learner
+has reached is kept per exercise in ``exercises/.hints.json`` (delete it, or pass ``--reset``,
+to start over); ``--level N`` prints one level without changing it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+STATE = Path(__file__).resolve().parents[2] / "exercises" / ".hints.json"
+
+#: exercise id -> [level 1, level 2, level 3]; only level 3 may contain code
+HINTS: dict[str, list[str]] = {
+    "1a": ["Ask of your encoding: could a decoder split the bytes back into the original fields? "
+           "If two different field tuples can give the same bytes, the cache will confuse them.",
+           "Each field needs two things in front of its payload: a type tag (so 1 and \"1\" differ, "
+           "and None, b\"\", \"\" and 0 all differ) and a length (so a decoder knows where the field "
+           "ends: 'a|bc' vs 'ab|c').  A tuple or list is a field whose payload is its items' "
+           "encodings, recursively; tuple and list must encode the same.",
+           "A fixed 9-byte header per field:\n"
+           "    header = struct.pack(\">BQ\", tag, len(payload))\n"
+           "    ints:  value.to_bytes((value.bit_length() + 8) // 8, \"big\", signed=True)\n"
+           "    seqs:  payload = b\"\".join(encode_one(item) for item in value)\n"
+           "Anything else: raise TypeError naming the type."],
+    "1b": ["The key names a whole prefix, not one block: what did the K/V of this block depend on?  "
+           "Every one of those inputs must reach the hash, unambiguously.",
+           "Hash one message made of a domain label (so this digest can never equal one computed "
+           "for another purpose) followed by all four fields, through your 1a encoding.  Use a real "
+           "cryptographic hash and keep the whole digest; validate the types first.",
+           "    message = encode_fields(<label>, parent, tuple(tokens), tuple(extra), tenant_key)\n"
+           "    return hashlib.sha256(message).digest()\n"
+           "Which label?  The module defines one."],
+    "2a": ["Who may be able to compute a tenant's key?  Only the server.  A key computed from the "
+           "tenant's name alone can be computed by anyone who knows the name.",
+           "A keyed pseudo-random function: HMAC-SHA256 with the engine secret as the KEY and the "
+           "tenant, typed, as the MESSAGE.  None, \"\" and \"None\" must be three different tenants; "
+           "refuse non-bytes and short secrets first.  sha256(secret + name) is not HMAC.",
+           "    message = encode_fields(TENANT_LABEL, tenant)\n"
+           "    return hmac.digest(engine_secret, message, \"sha256\")\n"
+           "plus the TypeError/ValueError checks the contract lists, before the HMAC."],
+    "2b": ["Where must the tenant key enter the block key: the first block only, or every block?  "
+           "Think of a prompt that starts with a public system prompt nobody keys.",
+           "An HMAC keyed with tenant_key (or, for shared blocks, a key derived from the secret in "
+           "__init__) over the typed (label, parent, tokens, extra, <is this a tenant block?>).",
+           "    key = self._shared_key if tenant_key is None else tenant_key\n"
+           "    return hmac.digest(key, encode_fields(BLOCK_LABEL, parent, ..., tenant_key is not None), \"sha256\")"],
+    "2c": ["The engine keys every block after the operator's public prefix.  Which blocks does your "
+           "loop key, and does each block know the key of the one before it?",
+           "Walk the FULL blocks in order; carry the previous key as the parent; a block is public "
+           "only if it lies ENTIRELY inside public_len (a block that straddles the end is private).",
+           "    parent = None\n"
+           "    for i in range(len(token_ids) // block_size):\n"
+           "        public = (i + 1) * block_size <= public_len\n"
+           "        parent = hasher(parent, <block i's tokens>, (), None if public else tenant_key)\n"
+           "        ..."],
+    "3a": ["The pool is [layers, blocks, slots, heads, dim]: which dimension names a block?  And does "
+           "your operation change the pool's tensors, or a copy of them?",
+           "Zero along dim 1 for every layer, in K and in V, in place, with one indexed operation per "
+           "tensor.  Beware: indexing with a list or tensor (advanced indexing) returns a COPY, so an "
+           "in-place op on that result changes nothing.",
+           "    idx = torch.as_tensor(ids, dtype=torch.long, device=pool.k_cache.device)\n"
+           "    pool.k_cache.index_fill_(1, idx, 0)   # and the same for v_cache\n"
+           "(what must an empty list do?)"],
+    "3b": ["List every way a block changes hands (the LIFECYCLE table).  On which of them can a block "
+           "carry someone else's bytes to a new reader -- and on which would zeroing destroy data "
+           "someone is about to reuse?",
+           "Preemption, abort, quota eviction and reset_prefix_cache are not new transitions: they "
+           "release or evict blocks through the same free/cache/evict rows.  So decide by the "
+           "transition, never by why it happened (a finished request is only one of the ways).  "
+           "Hits, stores and cache releases must be kept; zero either on the way into the free list "
+           "(free, evict) or on the way out of it (allocate).",
+           "    if transition in (Transition.FREE, Transition.EVICT): return ZERO\n"
+           "    if transition is Transition.ALLOCATE: return ...   # already zero, or zero again?\n"
+           "    ...every other row: KEEP; unknown transitions: raise ValueError"],
+    "4a": ["An audit that can never fail proves nothing.  What does '0 cross-tenant hits' mean when "
+           "the audit never saw ANY hit?",
+           "Three verdicts, tested in order: any cross-tenant cached token is a failure (a leak is a "
+           "leak); otherwise no same-tenant hit means the audit could not see hits (inconclusive); "
+           "only then pass.",
+           "    if cross > 0: return FAIL\n    if same <= 0: return ...\n    return PASS"],
+    "4b": ["Your workload must make both kinds of hit possible: a tenant re-sending its own document "
+           "(should hit), and a tenant sending another's (must not).  And isolation bugs hide inside "
+           "batches: requests of different tenants must share engine steps.",
+           "Private random documents per tenant; wave 1 primes them; wave 2 re-sends each tenant's own "
+           "and copies another tenant's.  Queue each wave with ONE llm.generate call (lists of prompts "
+           "and tenants); read out.num_cached_tokens, and classify by construction.",
+           "    outs = llm.generate([p for _, _, p in wave], params, tenant=[t for _, t, _ in wave])\n"
+           "    for (kind, _, _), out in zip(wave, outs): cached[kind] += out.num_cached_tokens"],
+    "5a": ["Only FASTER hits are evidence of a cache.  Is your test one-sided, and in which direction?",
+           "The statistic is the largest amount by which the hit sample's empirical CDF lies ABOVE the "
+           "miss sample's (hits rise earlier = smaller).  Evaluate both ECDFs at every pooled value.  "
+           "For the p-value, scipy.stats.ks_2samp with the matching one-sided alternative; exact or "
+           "asymptotic method are both fine.",
+           "    grid = np.sort(np.concatenate([h, m]))\n"
+           "    F_h = np.searchsorted(np.sort(h), grid, side=\"right\") / len(h)   # same for m\n"
+           "    D = max(0.0, float((F_h - F_m).max()))\n"
+           "    p = stats.ks_2samp(h, m, alternative=...).pvalue"],
+    "5b": ["The classifier says 'hit' for SMALLER latencies.  What fraction of (hit, miss) pairs does it "
+           "order correctly -- and what is a tie worth?",
+           "Compare every hit with every miss (broadcasting), count hit < miss as 1 and hit == miss as "
+           "one half, divide by the number of pairs.",
+           "    h, m = np.asarray(hit)[:, None], np.asarray(miss)[None, :]\n"
+           "    ((h < m).sum() + 0.5 * (h == m).sum()) / ..."],
+}
+
+
+def _load(state: Path) -> dict:
+    try:
+        return json.loads(state.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def next_hint(ex_id: str, state: Path = STATE, level: int | None = None) -> str:
+    """The next level of ``ex_id``'s hints (or exactly ``level``, without advancing)."""
+    if ex_id not in HINTS:
+        raise ValueError(f"no hints for exercise {ex_id!r}; exercises: {', '.join(HINTS)}")
+    levels = HINTS[ex_id]
+    if level is None:
+        seen = _load(state)
+        level = min(seen.get(ex_id, 0) + 1, len(levels))
+        seen[ex_id] = level
+        try:
+            state.parent.mkdir(parents=True, exist_ok=True)
+            state.write_text(json.dumps(seen, indent=1, sort_keys=True))
+        except OSError:
+            pass  # a read-only checkout still gets its hint
+    elif not 1 <= level <= len(levels):
+        raise ValueError(f"hint level must be 1..{len(levels)}, got {level}")
+    more = (f"(run `make hint EX={ex_id}` again for level {level + 1})" if level < len(levels)
+            else "(this is the last level; it shows code)")
+    return f"Hint {level}/{len(levels)} for exercise {ex_id}: {levels[level - 1]}\n{more}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="make hint EX=<id>", description="tiered hints for the exercises")
+    ap.add_argument("ex", nargs="?", help=f"exercise id: {', '.join(HINTS)}")
+    ap.add_argument("--level", type=int, help="print this level (1-3) without advancing")
+    ap.add_argument("--reset", action="store_true", help="start again from level 1")
+    a = ap.parse_args(argv)
+    if not a.ex:
+        print(f"usage: make hint EX=<id>   (ids: {', '.join(HINTS)})")
+        return 2
+    if a.reset:
+        seen = _load(STATE)
+        seen.pop(a.ex, None)
+        STATE.write_text(json.dumps(seen, indent=1, sort_keys=True)) if STATE.parent.is_dir() else None
+    try:
+        print(next_hint(a.ex, level=a.level))
+    except ValueError as exc:
+        print(exc)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,7 +1,8 @@
 # minikv: every target sets up what it needs (.venv, packages, model) on its own.
 #   make course   open the course in JupyterLab on 127.0.0.1
 #   make test     the whole test suite: pytest over tests/, nbval over course/*.ipynb
-#   make grade    grade your exercise solutions
+#   make grade    grade your exercises/ (DIR=folder: grade every student's subfolder into a gradebook)
+#   make hint EX=2a   the next hint for one exercise (levels 1, 2, 3 on repeat calls)
 #   make bench    run the benchmarks
 #   make upgrade-deps  re-pin constraints.txt to the newest releases (a throw-away venv
 #                 installed without pins, frozen); review the diff, then `make test`
@@ -18,7 +19,7 @@ MODEL := smollm2-135m-instruct
 NOTEBOOKS := $(wildcard course/*.ipynb)
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
-.PHONY: setup upgrade-deps model chromium course test test-py test-nb grade bench clean vllm vllm-start vllm-stop gu-data
+.PHONY: setup upgrade-deps model chromium course test test-py test-nb grade hint bench clean vllm vllm-start vllm-stop gu-data
 
 setup:
 	@$(PYTHON) scripts/bootstrap.py
@@ -64,12 +65,22 @@ test-nb: model
 ifeq ($(strip $(NOTEBOOKS)),)
 	@echo "no notebooks in course/ yet: skipping nbval"
 else
-	$(PYTEST) --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
+	MINIKV_EXERCISES=solutions $(PYTEST) --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
 		$(NOTEBOOKS) $(PYTEST_ARGS)
 endif
 
+# Lessons 07/08 run exercises/ (the learner's) unless MINIKV_EXERCISES=solutions (nbval above).
+# DIR=submissions/: one subprocess per student subfolder, TIMEOUT seconds each, gradebook.csv/.json.
+TIMEOUT ?= 300
 grade: model
+ifdef DIR
+	$(PY) -m minikv.grading.gradebook $(DIR) --timeout $(TIMEOUT)
+else
 	$(PY) -m exercises.grade
+endif
+
+hint: setup
+	@$(PY) -m minikv.grading.hints $(EX)
 
 bench: model
 	$(PY) -m minikv.bench

@@ -83,21 +83,47 @@ def test_stub_fails_as_not_implemented(ex_id, stub_package, capsys):
 MUTANT_CASES = [(ex_id, name) for ex_id in IDS for name, _, _ in M.MUTANTS[ex_id]]
 
 
-def test_every_exercise_has_at_least_two_mutants():
+def test_every_exercise_has_at_least_three_diagnosed_mutants():
     assert set(M.MUTANTS) == set(IDS)
     for ex_id, cases in M.MUTANTS.items():
-        assert len(cases) >= 2, ex_id
+        assert len(cases) >= 3, ex_id
         assert all(doc and doc.strip() for _, _, doc in cases), ex_id
+        assert all((ex_id, name) in M.DIAGNOSES for name, _, _ in cases), ex_id
 
 
 @pytest.mark.parametrize("ex_id, name", MUTANT_CASES, ids=[f"{e}-{n}" for e, n in MUTANT_CASES])
-def test_mutant_fails_with_a_hint(ex_id, name, capsys):
+def test_mutant_fails_naming_its_bug_class(ex_id, name, capsys):
+    """Each mutant is rejected, and the verdict names ITS class of bug (not merely 'wrong')."""
     ex = BY_ID[ex_id]
     impl = dict((n, i) for n, i, _ in M.MUTANTS[ex_id])[name]
     assert ex.check(impl, **_extra(ex, "solutions")) is False
     out = capsys.readouterr().out
     assert out.startswith(f"❌ {ex.check.__name__} failed: "), out
     assert "Hint:" in out and "not implemented" not in out
+    verdict = out.split("Hint:")[0]
+    assert M.DIAGNOSES[(ex_id, name)] in verdict, f"expected the bug class {M.DIAGNOSES[(ex_id, name)]!r} in: {out}"
+
+
+NEGATIVE = [(ex_id, name) for ex_id, cases in M.NEGATIVE_CONTROLS.items() for name, _, _ in cases]
+
+
+@pytest.mark.parametrize("ex_id, name", NEGATIVE, ids=[f"{e}-{n}" for e, n in NEGATIVE])
+def test_negative_controls_are_accepted(ex_id, name, capsys):
+    """Correct code that differs only in method (an asymptotic p-value instead of the exact one) passes."""
+    ex = BY_ID[ex_id]
+    impl = dict((n, i) for n, i, _ in M.NEGATIVE_CONTROLS[ex_id])[name]
+    assert ex.check(impl, **_extra(ex, "solutions")) is True, capsys.readouterr().out
+
+
+def test_the_required_bug_classes_are_all_modelled():
+    """Issue 10's list: colliding tenant encodings (None/'None', ''/None, separators, Unicode forms),
+    sha256(secret || x), in-place ops on a copy, two-sided tests, probes that never share a step,
+    scrubbers that miss preemption or abort."""
+    wanted = {("2a", "str-tenant"), ("2a", "none-is-empty"), ("1a", "typed-separator"), ("2a", "nfc-normalised"),
+              ("2a", "sha256-concat"), ("2b", "sha256-concat"), ("3a", "on-a-copy"), ("5a", "two-sided"),
+              ("4b", "grouped-by-tenant"), ("3b", "finished-only"), ("3b", "skip-aborted")}
+    assert wanted <= set(M.DIAGNOSES)
+    assert M.NEGATIVE_CONTROLS["5a"]
 
 
 # The engine runs must catch the isolation and lifecycle bugs on their own, not only the
@@ -110,7 +136,7 @@ ENGINE_STAGE_MUTANTS = {
     "keyed salt never used": lambda: hashing.engine_stage_hasher(M.KeyedSaltNeverUsed(S), "hmac-sha256"),
     "derive None == ''": lambda: hashing.engine_stage_key_derivation(M.derive_none_is_empty),
     **{f"block_keys {n}": (lambda i=i: hashing.engine_stage_block_keys(i)) for n, i, _ in M.MUTANTS["2c"]},
-    **{f"scrubber {n}": (lambda i=i: scrubbing.engine_stage(i)) for n, i, _ in M.MUTANTS["3b"]},
+    **{f"placement {n}": (lambda i=i: scrubbing.engine_stage_placement(i)) for n, i, _ in M.MUTANTS["3b"]},
 }
 
 
@@ -123,22 +149,27 @@ def test_engine_stage_alone_catches(name):
 def test_engine_stages_pass_the_solutions():
     from solutions.ex1_chained_hash import chained_block_hash
     from solutions.ex2_tenant_keys import TenantKeyedHasher, block_keys, derive_tenant_key
-    from solutions.ex3_scrubbing import ScrubOnAlloc
+    from solutions.ex3_scrubbing import scrub_action
 
-    from minikv.security.scrub import ScrubOnFree
     hashing.engine_stage_hasher(chained_block_hash, "sha256")
     hashing.engine_stage_hasher(TenantKeyedHasher(S), "hmac-sha256")
     hashing.engine_stage_key_derivation(derive_tenant_key)
     hashing.engine_stage_block_keys(block_keys)
-    cached, _ = scrubbing.engine_stage(ScrubOnAlloc)
+    cached, _ = scrubbing.engine_stage_placement(scrub_action)
     assert sum(cached) > 0, "the scrubber workload must include cache hits"
-    scrubbing.engine_stage(ScrubOnFree)  # the other correct lifecycle point passes too
+
+    def on_alloc(transition, seq):  # the other correct placement: zero on the way OUT of the free list
+        return "zero" if transition == "allocate" else "keep"
+    scrubbing.engine_stage_placement(on_alloc)
 
 
 def test_the_engines_reference_is_what_the_course_teaches(capsys):
     """minikv's own hashers and key derivation pass the exercise graders (the engine does what
-    lesson 07 teaches), and the solutions of 2a/2b give the engine's keys byte for byte."""
-    from solutions.ex2_tenant_keys import TenantKeyedHasher, derive_tenant_key
+    lesson 07 teaches), with the same labels as the solutions (which build on exercise 1a's own
+    wire format, so their bytes may differ from the engine's)."""
+    import hmac
+
+    from solutions import ex1_chained_hash, ex2_tenant_keys
 
     from minikv.grading import check_chained_hash, check_tenant_key_derivation, check_tenant_keyed_hasher
     from minikv.security.encoding import encode_fields
@@ -150,11 +181,17 @@ def test_the_engines_reference_is_what_the_course_teaches(capsys):
     assert check_tenant_key_derivation(engine_derive_tenant_key) is True
     assert capsys.readouterr().out.count("✅") == 3
     blocks = [(None, (1, 2, 3, 4), (), None), (b"p" * 32, (5, 6), ("x",), b"k" * 32)]
-    for block in blocks:  # the same construction and labels as solutions/
+    from minikv.security import hashing as sh
+    from minikv.security import keys as sk
+    assert ex1_chained_hash.BLOCK_DOMAIN == BLOCK_DOMAIN and ex2_tenant_keys.BLOCK_LABEL == sh.BLOCK_LABEL
+    assert (ex2_tenant_keys.TENANT_LABEL, ex2_tenant_keys.SHARED_LABEL) == (sk.TENANT_LABEL, sk.SHARED_LABEL)
+    assert ex2_tenant_keys.MIN_SECRET_BYTES == sk.MIN_SECRET_BYTES
+    for block in blocks:  # the engine's construction
         assert engine_sha256(*block) == hashlib.sha256(encode_fields(BLOCK_DOMAIN, *block)).digest()
-        assert make_hasher("hmac-sha256", S)(*block) == TenantKeyedHasher(S)(*block)
-    for tenant in ("alice", "", None):
-        assert derive_tenant_key(S, tenant) == engine_derive_tenant_key(S, tenant)
+    for tenant in ("alice", "", None):  # the solution's: HMAC over its own 1a encoding
+        want = hmac.digest(S, ex1_chained_hash.encode_fields(sk.TENANT_LABEL, tenant), "sha256")
+        assert ex2_tenant_keys.derive_tenant_key(S, tenant) == want
+        assert len(engine_derive_tenant_key(S, tenant)) == 32
 
 
 # ------------------------------------------------------------------ generator and runner
@@ -169,7 +206,7 @@ def test_exercises_are_in_sync():
 def test_generator_check_mode_exit_status(tmp_path, capsys):
     from minikv.grading.make_exercises import main, write
     assert main(["--check"]) == 0
-    write(tmp_path)
+    assert write(tmp_path)[1] == []
     assert stale_files(tmp_path) == []
     (tmp_path / "ex1_chained_hash.py").write_text("# edited\n")
     assert stale_files(tmp_path) == ["ex1_chained_hash.py"]
@@ -232,21 +269,46 @@ def test_a_broken_exercise_module_is_reported_and_the_rest_still_run(tmp_path, c
     assert "cannot import broken_ex.ex5_timing_stats" in out and "SyntaxError" in out
 
 
-def test_lesson_solutions_match_the_solution_files():
-    """The folded solutions in lessons 07 and 08 are copies of solutions/: they must not drift."""
-    import re
-
+def test_lessons_hand_out_no_solution():
+    """Lessons 07 and 08 fold no solution: no line of a solution region appears in their markdown or
+    code (the hints live in `make hint`, whose last level alone may show code)."""
     import nbformat
-    sources = "\n".join(p.read_text(encoding="utf-8") for p in sorted(SOLUTIONS.glob("ex*.py")))
-    lines = {line.strip() for line in sources.splitlines()}
-    found = 0
+    regions = _solution_lines()
     for name in ("07_tenant_keyed_hashing.ipynb", "08_scrubbing.ipynb"):
         nb = nbformat.read(ROOT / "course" / name, as_version=4)
-        for cell in nb.cells:
-            if cell.cell_type != "markdown" or "<summary>Solution</summary>" not in cell.source:
+        text = "\n".join(c.source for c in nb.cells)
+        assert "<summary>Solution</summary>" not in text, name
+        leaked = sorted(line for line in regions if line in text)
+        assert not leaked, f"{name} contains solution lines: {leaked[:3]}"
+
+
+def _solution_lines() -> set[str]:
+    """Distinctive lines inside the # BEGIN/END SOLUTION regions of solutions/ (no comments, no
+    one-word lines such as `return keys`)."""
+    lines = set()
+    for path in sorted(SOLUTIONS.glob("ex*.py")):
+        inside = False
+        for line in path.read_text(encoding="utf-8").splitlines():
+            stripped = line.strip()
+            if stripped in ("# BEGIN SOLUTION", "# END SOLUTION"):
+                inside = stripped == "# BEGIN SOLUTION"
                 continue
-            for block in re.findall(r"<summary>Solution</summary>.*?```python\n(.*?)```", cell.source, re.S):
-                found += 1
-                stale = [line for line in block.splitlines() if line.strip() and line.strip() not in lines]
-                assert not stale, f"{name}: solution text not in solutions/: {stale[:3]}"
-    assert found >= 8
+            code = stripped.split("  #")[0].strip()
+            if inside and len(code) >= 30 and not code.startswith(("#", "raise ", "return ZERO", "return KEEP")):
+                lines.add(code)
+    return lines
+
+
+def test_stubs_and_first_hints_hand_out_no_solution():
+    from minikv.grading.hints import HINTS
+    lines = _solution_lines()
+    assert len(lines) >= 20
+    for name, text in generate().items():
+        leaked = [line for line in lines if line in text]
+        assert not leaked, f"exercises/{name} contains solution lines: {leaked[:3]}"
+    for ex_id, levels in HINTS.items():
+        assert len(levels) == 3, ex_id
+        for level in levels[:2]:
+            assert not any(line in level for line in lines), (ex_id, level)
+            assert "\n    " not in level, f"hint {ex_id} shows code before its last level"
+        assert "\n" in levels[2] or "    " in levels[2], f"hint {ex_id} level 3 should sketch code"

@@ -6,6 +6,14 @@ probing detector of ``minikv.audit.detector``.  A file that imports them would b
 engine's work, not the learner's, so :func:`forbidden_imports` reads the file's syntax tree (it
 never runs it) and :func:`check_file` turns every hit into a message that says why.
 
+Graded submissions (``make grade DIR=...``, ``strict``) get a stricter read, because their code
+runs in the same process as the graders: besides the graders themselves (``minikv.grading``,
+except the given :mod:`.harness`), they may not import the process/introspection modules
+(:data:`STRICT_MODULES`), use the escape hatches of :data:`STRICT_NAMES` (``open``, ``exec``,
+``setattr`` ... and dunder attributes such as ``__globals__``), or assign to an attribute of an
+imported module (``minikv.engine.engine.X = ...``: a monkeypatch).  None of the exercises needs
+any of these.
+
 Caught: ``import minikv.security``, ``from minikv.security.scrub import ...``, ``from minikv import
 security``, ``from minikv.attacks import prefix_oracle``, and the same names written as strings
 in ``importlib.import_module(...)`` / ``__import__(...)`` calls.  Submissions graded with
@@ -24,6 +32,13 @@ FORBIDDEN: dict[str, str] = {
 }
 #: also forbidden in graded submissions: code that could reach into the graders
 GRADER_MODULES: dict[str, str] = {"minikv.grading": "minikv.grading holds the graders themselves"}
+#: strict mode: modules that reach the process, the interpreter or other code
+STRICT_MODULES = ("os", "sys", "builtins", "importlib", "ctypes", "gc", "inspect", "subprocess", "socket",
+                  "shutil", "pathlib", "io", "pickle", "marshal", "types", "threading", "multiprocessing",
+                  "signal", "atexit", "unittest", "pytest")
+#: strict mode: names and attributes that are escape hatches
+STRICT_NAMES = frozenset({"open", "exec", "eval", "compile", "__import__", "globals", "vars", "setattr",
+                          "delattr", "breakpoint", "input", "exit", "quit", "__builtins__"})
 #: the given plumbing exercise files may import (no answer in it)
 ALLOWED = ("minikv.grading.harness",)
 
@@ -71,13 +86,48 @@ def forbidden_imports(source: str, filename: str = "<exercise>",
     return found
 
 
+def strict_problems(source: str, filename: str = "<submission>") -> list[tuple[int, str]]:
+    """``[(line, what), ...]``: what a graded submission may not do besides forbidden imports."""
+    tree = ast.parse(source, filename)
+    modules = set()  # names bound to imported modules
+    found = []
+    for node in ast.walk(tree):
+        for name in _names(node):
+            top = name.split(".")[0]
+            if top in STRICT_MODULES:
+                found.append((node.lineno, f"imports {name} (reaches the process or the interpreter)"))
+        if isinstance(node, ast.Import):
+            modules.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            modules.update(a.asname or a.name for a in node.names)
+        elif isinstance(node, ast.Name) and node.id in STRICT_NAMES:
+            found.append((node.lineno, f"uses {node.id}"))
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("__") and node.attr.endswith("__") \
+                and node.attr not in ("__init__", "__name__", "__doc__"):
+            found.append((node.lineno, f"reaches into {node.attr}"))
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for t in targets:
+            base = t
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            if isinstance(t, ast.Attribute) and isinstance(base, ast.Name) and base.id in modules:
+                found.append((node.lineno, f"assigns to {ast.unparse(t)} (patches an imported module)"))
+    return sorted(set(found))
+
+
 def check_file(path: Path, grading_submission: bool = False) -> list[str]:
-    """Messages for every forbidden import in ``path`` (empty: the file may be graded)."""
+    """Messages for every forbidden import in ``path`` (empty: the file may be graded).  With
+    ``grading_submission``, also everything :func:`strict_problems` finds."""
     rules = {**FORBIDDEN, **(GRADER_MODULES if grading_submission else {})}
     try:
-        hits = forbidden_imports(Path(path).read_text(encoding="utf-8"), str(path), rules)
+        source = Path(path).read_text(encoding="utf-8")
+        hits = forbidden_imports(source, str(path), rules)
+        strict = strict_problems(source, str(path)) if grading_submission else []
     except (SyntaxError, ValueError):
         return []  # the import itself will fail and be reported with the syntax error
-    return [f"{Path(path).name}:{line} imports {module}: {why}.  The grader refuses a file that imports it: "
+    return [f"{Path(path).name}:{line} {what}: graded submissions run beside the graders, so they may not "
+            f"do this (none of the exercises needs it)" for line, what in strict] + [f"{Path(path).name}:{line} imports {module}: {why}.  The grader refuses a file that imports it: "
             f"the grade must measure your code, not the engine's own answer.  Write it yourself."
             for line, module, why in hits]

@@ -107,6 +107,42 @@ HINTS: dict[str, list[str]] = {
            "one half, divide by the number of pairs.",
            "    h, m = np.asarray(hit)[:, None], np.asarray(miss)[None, :]\n"
            "    ((h < m).sum() + 0.5 * (h == m).sum()) / ..."],
+    "L1": ["The cache answers per whole block.  Which block holds the next unknown character, how many "
+           "unknown characters does it hold, and which of its characters do you already know?",
+           "For each filling of that block's unknowns, send prefix + recovered + filling + the block's known "
+           "rest + one more character (the last prompt token is never served from cache).  A hit means "
+           "cached_tokens >= the block's end.  Never send one probe twice: the second answer is your own.",
+           "    start = len(prefix) + len(found); end = (start // bs + 1) * bs\n"
+           "    u = min(end - start, n - len(found)); tail = suffix[:end - start - u]\n"
+           "    for g in itertools.product(alphabet, repeat=u):\n"
+           "        if oracle.cached_tokens(prefix + found + ''.join(g) + tail + '#') >= end: ..."],
+    "L2": ["Send each candidate twice in a row and compare: why is the second answer always fast?",
+           "Your probe stored its block as YOUR entry.  Only re-probe a candidate after you stored "
+           "quota_blocks newer blocks (one long fresh prompt of quota_blocks + 1 blocks flushes them).  "
+           "Sample every candidate in rounds, then keep the fastest half; min() ignores spikes.",
+           "    for r in range(rounds):\n"
+           "        for g in alive: samples[g].append(oracle.ttft_ms(prefix + found + g + tail + '#'))\n"
+           "        oracle.ttft_ms(random_letters((quota + 1) * bs + 1))   # flush\n"
+           "    alive = sorted(alive, key=lambda g: min(samples[g]))[:len(alive) // 2]"],
+    "L3": ["Group per tenant, never across tenants.  What do an enumeration's requests share, and what "
+           "differs between them?",
+           "For each depth d: requests whose prefix_fps[d-1] is equal AND that end within one block after "
+           "it (d <= len(prefix_fps) <= d + 1).  Count distinct tail_fp only, and only lengths within one "
+           "block of each other.",
+           "    for d in range(1, max_depth + 1):\n"
+           "        groups = defaultdict(dict)\n"
+           "        for r in reqs:\n"
+           "            if d <= len(r['prefix_fps']) <= d + 1:\n"
+           "                groups[r['prefix_fps'][d - 1]][r['tail_fp']] = r['num_prompt_tokens']"],
+    "C": ["Three tests per node: private prompts across tenants; the same private text behind the node's "
+          "public prefix; a crafted collision.  Which kind does each one reveal?",
+          "audit_server(url, keys, rounds=1) fails on shared_cache and tenant_key_dropped; the trail tells "
+          "them apart (`minikv audit detect --json`: cross_tenant_hit findings, or every request under one "
+          "tenant).  Behind the public prefix, bob may hit only len(public) // bs * bs tokens.  A poly twin "
+          "of a fresh block sent by the same tenant must not be served from cache.",
+          "    twin = poly_collision(block, vocab_size=259)\n"
+          "    cached(alice, block + [50, 51]); hit = cached(alice, twin + [50, 51]) >= bs\n"
+          "    leak = cached(bob, public + private) > len(public) // bs * bs"],
 }
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from . import guard, hashing, isolation, scrubbing, stats, tenant_keys
+from . import capstone, labs_detector, labs_oracle  # the attack labs and the capstone (H8)
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,14 @@ EXERCISES: list[Exercise] = [
              "one-sided KS test", "07"),
     Exercise("5b", "ex5_timing_stats", "roc_auc", stats.check_roc_auc,
              "ROC AUC of 'faster => hit'", "07"),
+    Exercise("L1", "lab1_prefix_oracle", "extract_secret", labs_oracle.check_oracle_attack,
+             "lab: steal a secret via cached_tokens", "04"),
+    Exercise("L2", "lab2_timing", "extract_secret_by_timing", labs_oracle.check_timing_attack,
+             "lab: steal it from TTFT (self-priming)", "04"),
+    Exercise("L3", "lab3_detector", "detect_probing", labs_detector.check_detector,
+             "lab: probing detector on a trail", "09"),
+    Exercise("C", "capstone_audit", "audit_fleet", capstone.check_capstone,
+             "capstone: audit the mystery fleet", "12"),
 ]
 
 
@@ -141,17 +150,47 @@ def summary_table(results: dict[str, bool]) -> str:
     return "\n".join(lines)
 
 
+def fingerprint() -> dict[str, int]:
+    """``{qualified name: id of its code}`` for every function and method of the loaded
+    ``minikv.grading`` and ``minikv.engine`` modules: a monkeypatch changes one of them."""
+    prints = {}
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith(("minikv.grading", "minikv.engine")) or mod is None:
+            continue
+        for attr, obj in list(vars(mod).items()):
+            for sub, fn in [(attr, obj)] + (list(vars(obj).items()) if isinstance(obj, type) else []):
+                code = getattr(fn, "__code__", None)
+                if code is not None:
+                    prints[f"{name}.{attr}.{sub}"] = id(code)
+    return prints
+
+
 def main(package: str = "exercises", argv: list[str] | None = None, json_path: str | None = None,
          strict: bool = False) -> int:
-    """Entry point of ``python -m <package>.grade [ids...]``: 0 when all pass, 1 otherwise."""
+    """Entry point of ``python -m <package>.grade [ids...]``: 0 when all pass, 1 otherwise.
+    ``strict`` (graded submissions): the stricter gate, and a check afterwards that the learner's
+    code replaced no function of the graders or the engine (else every result is a fail)."""
     import warnings
+
+    from .. import engine as _engine  # noqa: F401 -- load what the fingerprint covers before learner code runs
+    from . import harness  # noqa: F401
 
     warnings.filterwarnings("ignore", category=UserWarning, module="minikv")
     print(f"grading {package}/ ...\n")
+    before = fingerprint() if strict else {}
     messages: dict[str, str] = {}
     results = grade(package, list(argv or []) or None, messages=messages, strict=strict)
+    error = ""
+    if strict:
+        after = fingerprint()
+        changed = sorted(k for k in before if after.get(k) != before[k])
+        if changed:
+            error = f"the submission replaced grader/engine code ({', '.join(changed[:3])}): every result voided"
+            results = {k: False for k in results}
+            print(f"❌ {error}")
     if json_path:
-        Path(json_path).write_text(json.dumps({"results": results, "messages": messages}, ensure_ascii=False))
+        Path(json_path).write_text(json.dumps({"results": results, "messages": messages, "error": error},
+                                              ensure_ascii=False))
     return 0 if all(results.values()) else 1
 
 

@@ -58,6 +58,23 @@ def _random_pool(seed: int = 0) -> KVPool:
 def _diff_report(pool, before_k, before_v, ids: list[int], call: str, must_zero: bool = True) -> None:
     """Fail with a precise message unless exactly ``ids`` are zero (when ``must_zero``) and
     every other block is unchanged."""
+    for name, now, before in (("K", pool.k_cache, before_k), ("V", pool.v_cache, before_v)):
+        for b in range(now.shape[1]):
+            if b not in ids:
+                changed = [layer for layer in range(now.shape[0]) if not torch.equal(now[layer, b], before[layer, b])]
+                if changed:
+                    wrong_dim = set(changed) <= set(ids)
+                    raise CheckFailed(
+                        f"after {call}, block {b} (not in the list) changed in {name}, layer(s) {changed}"
+                        + (" -- the layers numbered like your block ids (bug class: indexed the wrong dimension)"
+                           if wrong_dim else "") + ": that block may hold another request's live K/V or a cached "
+                        "prefix",
+                        "index the block dimension (dim 1) with exactly the given ids; indexing dim 0 selects "
+                        "layers.") if wrong_dim else CheckFailed(
+                        f"after {call}, block {b} (not in the list) changed in {name}, layer(s) {changed}: that "
+                        "block may hold another request's live K/V or a cached prefix",
+                        "index the block dimension (dim 1) with exactly the given ids; pool.k_cache[ids] = 0 "
+                        "indexes dim 0, the layers.")
     layers = pool.k_cache.shape[0]
     if must_zero:
         for b in ids:
@@ -72,16 +89,6 @@ def _diff_report(pool, before_k, before_v, ids: list[int], call: str, must_zero:
                     hint = ("zero both k_cache and v_cache." if len(nonzero) == layers else
                             "the block dimension is dim 1; index [:, ids] so that every layer (dim 0) is zeroed.")
                     raise CheckFailed(f"after {call}, block {b} still holds {name} data in layer(s) {nonzero}", hint)
-    for name, now, before in (("K", pool.k_cache, before_k), ("V", pool.v_cache, before_v)):
-        for b in range(now.shape[1]):
-            if b not in ids:
-                changed = [layer for layer in range(now.shape[0]) if not torch.equal(now[layer, b], before[layer, b])]
-                if changed:
-                    raise CheckFailed(
-                        f"after {call}, block {b} (not in the list) changed in {name}, layer(s) {changed}: that "
-                        "block may hold another request's live K/V or a cached prefix",
-                        "index the block dimension (dim 1) with exactly the given ids; pool.k_cache[ids] = 0 "
-                        "indexes dim 0, the layers.")
 
 
 @grader("zero exactly the given blocks, along the block dimension, in every layer, in K and V, in place.")

@@ -154,6 +154,11 @@ def check_roc_auc(roc_auc) -> str:
                 raise CheckFailed(f"on '{name}' your AUC is {got:.6f}, the reference {want:.6f}: off by exactly half "
                                   "the tied pairs (bug class: ties not counted one half)",
                                   "a tie (hit == miss) is a coin flip for the classifier: it counts one half.")
+            paired = [(a < b) + 0.5 * (a == b) for a, b in zip(hit, miss)]
+            if math.isclose(got, sum(paired) / len(paired), abs_tol=1e-9):
+                raise CheckFailed(f"on '{name}' (n={len(hit)}/{len(miss)}) your AUC is {got:.6f}, the reference "
+                                  f"{want:.6f}: you compared hit i with miss i only (bug class: not every (hit, miss) "
+                                  "pair compared)", "the AUC is over ALL len(hit) * len(miss) pairs.")
             raise CheckFailed(f"on '{name}' (n={len(hit)}/{len(miss)}) your AUC is {got:.6f}, the reference "
                               f"{want:.6f}", "count the (hit, miss) pairs the classifier orders correctly.")
     return "equals minikv.audit.stats.roc_auc on every dataset; ties count one half"

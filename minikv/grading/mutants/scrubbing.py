@@ -185,7 +185,7 @@ MUTANTS = {
 
 #: mutant -> the words its grader's verdict must contain (the bug class it names)
 DIAGNOSES = {
-    ("3a", "k-only"): "still holds V", ("3a", "layer0-only"): "layer(s) [1", ("3a", "wrong-dim"): "not in the list",
+    ("3a", "k-only"): "still holds V", ("3a", "layer0-only"): "layer(s) [1", ("3a", "wrong-dim"): "wrong dimension",
     ("3a", "on-a-copy"): "COPY", ("3a", "out-of-place"): "in place",
     ("3b", "wipe-hits"): "wipes every HIT", ("3b", "on-release"): "released INTO the cache",
     ("3b", "keep-evicted"): "LRU EVICTION", ("3b", "finished-only"): "PREEMPTION",

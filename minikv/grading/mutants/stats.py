@@ -81,5 +81,5 @@ DIAGNOSES = {
     ("5a", "wrong-alternative"): "wrong alternative", ("5a", "two-sided"): "two-sided test",
     ("5a", "miss-grid"): "one-sided KS statistic is",
     ("5b", "flipped"): "flipped orientation", ("5b", "ignores-ties"): "ties not counted one half",
-    ("5b", "paired"): "count the (hit, miss) pairs",
+    ("5b", "paired"): "not every (hit, miss) pair",
 }

@@ -1,0 +1,200 @@
+"""The grading tools around the graders: `make grade` on stubs and on solutions, the gradebook of a
+folder of submissions, the reference-import gate, tiered hints and version-stamped stubs."""
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from minikv.grading import guard, hints
+from minikv.grading.gradebook import grade_folder, grade_submission
+from minikv.grading.make_exercises import SOLUTIONS, generate, is_pristine, write
+from minikv.grading.runner import EXERCISES, grade
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture()
+def stubs(tmp_path):
+    """exercises/ as generated, importable as ``tool_stubs`` (a learner's edits never leak in)."""
+    pkg = tmp_path / "tool_stubs"
+    pkg.mkdir()
+    for name, text in generate().items():
+        (pkg / name).write_text(text, encoding="utf-8")
+    sys.path.insert(0, str(tmp_path))
+    yield pkg
+    sys.path.remove(str(tmp_path))
+    for mod in [m for m in sys.modules if m.split(".")[0] == "tool_stubs"]:
+        del sys.modules[mod]
+
+
+def _run(*args, cwd=ROOT, env_path=None, timeout=600):
+    env = None
+    if env_path:
+        import os
+        env = {**os.environ, "PYTHONPATH": f"{env_path}{os.pathsep}{ROOT}"}
+    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+# ------------------------------------------------------------------ make grade: stubs fail, solutions pass
+
+def test_grading_untouched_stubs_fails_with_a_readable_table(stubs):
+    done = _run("-m", "minikv.grading.runner", "tool_stubs", env_path=stubs.parent)
+    assert done.returncode == 1, done.stdout + done.stderr
+    out = done.stdout
+    ids = [e.id for e in EXERCISES if (stubs / f"{e.module}.py").is_file()]
+    assert f"0/{len(ids)} exercises pass" in out
+    for ex_id in ids:  # one table row per exercise, each a FAIL
+        assert any(line.startswith(ex_id) and line.endswith("❌ FAIL") for line in out.splitlines()), ex_id
+    assert out.count("is not implemented yet") >= len(ids)
+
+
+def test_grading_the_solutions_passes():
+    done = _run("-m", "solutions.grade")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert f"{len(EXERCISES)}/{len(EXERCISES)} exercises pass" in done.stdout
+
+
+# ------------------------------------------------------------------ the gate
+
+def test_the_gate_refuses_reference_imports_and_says_why(stubs, capsys):
+    (stubs / "ex3_scrubbing.py").write_text(
+        "from minikv.security.scrub import zero_blocks\nfrom minikv.grading.harness import ZERO\n")
+    (stubs / "ex4_isolation_audit.py").write_text(
+        "import importlib\naudit_verdict = importlib.import_module('minikv.audit.detector')\n")
+    results = grade("tool_stubs", ["3a", "4a"])
+    out = capsys.readouterr().out
+    assert results == {"3a": False, "4a": False}
+    assert "ex3_scrubbing.py:1 imports minikv.security.scrub" in out and "minikv.security holds the reference" in out
+    assert "minikv.audit.detector" in out and "not graded" in out
+    assert "grade must measure your code" in out
+
+
+@pytest.mark.parametrize("source, what", [
+    ("from minikv.attacks import prefix_oracle\n", "minikv.attacks.prefix_oracle"),
+    ("import minikv.security.keys as k\n", "minikv.security.keys"),
+    ("from minikv import security\n", "minikv.security"),
+    ("__import__('minikv.security.hashing')\n", "minikv.security.hashing"),
+])
+def test_the_gate_catches_every_spelling(source, what):
+    hits = guard.forbidden_imports(source)
+    assert hits and hits[0][1] == what
+
+
+def test_solutions_pass_the_strict_gate_and_cheats_do_not():
+    for path in sorted(SOLUTIONS.glob("ex*.py")):
+        assert guard.check_file(path, grading_submission=True) == [], path.name
+    cheats = {"from minikv.grading import hashing\nhashing.expect = lambda *a, **k: None\n": "minikv.grading",
+              "import minikv.engine.engine as e\ne.LLMEngine.step = None\n": "patches an imported module",
+              "import sys\n": "imports sys", "x = open('gradebook.json', 'w')\n": "uses open",
+              "f = (lambda: 0).__globals__\n": "reaches into __globals__"}
+    for source, why in cheats.items():
+        msgs = guard.check_file(_write_tmp(source), grading_submission=True)
+        assert msgs and any(why in m for m in msgs), (source, msgs)
+
+
+def _write_tmp(source: str) -> Path:
+    import tempfile
+    path = Path(tempfile.mkdtemp()) / "ex1_chained_hash.py"
+    path.write_text(source)
+    return path
+
+
+# ------------------------------------------------------------------ gradebook
+
+def test_gradebook_grades_each_submission_in_its_own_process(tmp_path):
+    subs = tmp_path / "subs"
+    (subs / "ada").mkdir(parents=True)
+    (subs / "bob").mkdir()
+    (subs / "eve").mkdir()
+    for name in ("ex4_isolation_audit.py", "ex5_timing_stats.py"):
+        (subs / "ada" / name).write_text((SOLUTIONS / name).read_text())
+    (subs / "ada" / "notes.txt").write_text("not an exercise")
+    # eve tries to make every check pass by patching the grader, then by importing the reference
+    (subs / "eve" / "ex4_isolation_audit.py").write_text(
+        "import minikv.grading._report as r\nr.expect = lambda *a, **k: None\n")
+    (subs / "eve" / "ex5_timing_stats.py").write_text("from minikv.audit.stats import ks_test, roc_auc\n"
+                                                      "from minikv.security.keys import derive_tenant_key\n")
+    rows = grade_folder(subs, tmp_path / "out", timeout=300, ids=["4a", "5"], progress=lambda s: None)
+    by = {r.student: r for r in rows}
+    assert by["ada"].results == {"4a": True, "5a": True, "5b": True} and by["ada"].ignored == ["notes.txt"]
+    assert by["bob"].results == {"4a": False, "5a": False, "5b": False}  # no files: the stubs
+    assert by["eve"].passed == 0 and "not graded" in by["eve"].messages["4a"]
+    assert "minikv.security" in by["eve"].messages["5a"]
+    table = list(csv.DictReader(open(tmp_path / "out" / "gradebook.csv")))
+    assert [(r["student"], r["passed"], r["status"]) for r in table] == [("ada", "3", "graded"), ("bob", "0", "graded"),
+                                                                         ("eve", "0", "graded")]
+    book = json.loads((tmp_path / "out" / "gradebook.json").read_text())
+    assert book["exercises"] == ["4a", "5a", "5b"] and len(book["submissions"]) == 3
+    assert all(s["seconds"] > 0 for s in book["submissions"])
+
+
+def test_gradebook_times_out_an_endless_loop(tmp_path):
+    sub = tmp_path / "loop"
+    sub.mkdir()
+    (sub / "ex4_isolation_audit.py").write_text((SOLUTIONS / "ex4_isolation_audit.py").read_text().replace(
+        "    # BEGIN SOLUTION\n    if cross_tenant", "    while True:\n        pass\n    if cross_tenant", 1))
+    row = grade_submission(sub, timeout=20, ids=["4a"])
+    assert row.status == "timeout" and "longer than 20 s" in row.error and row.passed == 0
+
+
+def test_gradebook_refuses_a_missing_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        grade_folder(tmp_path / "nope")
+    with pytest.raises(ValueError, match="no submission folders"):
+        grade_folder(tmp_path)
+
+
+# ------------------------------------------------------------------ hints
+
+def test_hints_advance_one_level_per_call_and_only_the_last_shows_code(tmp_path):
+    state = tmp_path / "hints.json"
+    texts = [hints.next_hint("2a", state) for _ in range(4)]
+    assert [t.split(" for ")[0] for t in texts] == ["Hint 1/3", "Hint 2/3", "Hint 3/3", "Hint 3/3"]
+    assert "again for level 2" in texts[0] and "last level" in texts[2]
+    assert "hmac.digest" in texts[2] and "hmac.digest" not in texts[0] + texts[1]
+    assert hints.next_hint("3b", state).startswith("Hint 1/3 for exercise 3b")  # per exercise
+    assert hints.next_hint("2a", state, level=1).startswith("Hint 1/3")  # --level: no advance
+    with pytest.raises(ValueError, match="no hints for exercise '9z'"):
+        hints.next_hint("9z", state)
+    assert set(hints.HINTS) >= {e.id for e in EXERCISES if not e.id.startswith(("L", "C"))}
+
+
+def test_make_hint_command_runs():
+    done = _run("-m", "minikv.grading.hints", "1a", "--level", "1")
+    assert done.returncode == 0 and done.stdout.startswith("Hint 1/3 for exercise 1a"), done.stdout + done.stderr
+
+
+# ------------------------------------------------------------------ version-stamped stubs
+
+def test_regenerating_never_overwrites_an_edited_stub(tmp_path):
+    written, kept = write(tmp_path)
+    assert kept == [] and "ex1_chained_hash.py" in written
+    stub = tmp_path / "ex1_chained_hash.py"
+    assert is_pristine(stub.read_text())
+    mine = stub.read_text().replace('raise NotImplementedError("encode_fields', 'return b""  # mine\n    raise X("', 1)
+    stub.write_text(mine)
+    untouched = tmp_path / "ex5_timing_stats.py"
+    untouched.write_text(untouched.read_text())  # same content: still pristine
+    written, kept = write(tmp_path)
+    assert kept == ["ex1_chained_hash.py"] and written == []
+    assert stub.read_text() == mine, "the learner's edits were overwritten"
+    assert (tmp_path / "ex1_chained_hash.py.new").read_text() == generate()["ex1_chained_hash.py"]
+    unstamped = tmp_path / "ex4_isolation_audit.py"  # an old stub without a stamp counts as edited
+    unstamped.write_text("# old stub\n")
+    assert "ex4_isolation_audit.py" in write(tmp_path)[1]
+
+
+def test_regenerate_prints_what_it_kept(tmp_path, monkeypatch, capsys):
+    from minikv.grading import make_exercises
+    monkeypatch.setattr(make_exercises, "EXERCISES", tmp_path)
+    write(tmp_path)
+    (tmp_path / "ex2_tenant_keys.py").write_text("# my work\n")
+    monkeypatch.setattr(make_exercises, "write", lambda: write(tmp_path))
+    assert make_exercises.main([]) == 0
+    out = capsys.readouterr().out
+    assert "kept exercises/ex2_tenant_keys.py: it holds your edits" in out and ".new" in out

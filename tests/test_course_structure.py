@@ -235,3 +235,10 @@ def test_lesson_links_the_glossary(name):
     """Each lesson links the first use of the terms it introduces to course/GLOSSARY.md."""
     md = "\n".join(c.source for c in load(name).cells if c.cell_type == "markdown")
     assert any(target == "GLOSSARY.md" for target, _ in _LINK.findall(md)), f"{name}: no link into GLOSSARY.md"
+
+
+@pytest.mark.parametrize("name", ALL_LESSONS)
+def test_lesson_has_try_it_prompts(name):
+    """Each lesson invites the learner to change something (course/INSTRUCTORS.md answers every prompt)."""
+    md = "\n".join(c.source for c in load(name).cells if c.cell_type == "markdown")
+    assert "**Try it.**" in md, f"{name}: no '**Try it.**' prompt"

@@ -288,3 +288,16 @@ def test_public_prefix_only_for_minikv_upstreams_that_share_it(tiny_path):
             start_checks(args, None)
     finally:
         up.stop()
+
+
+def test_chat_requests_are_salted_and_bad_messages_refused(gateway):
+    url, auth = f"{gateway.base_url}/chat/completions", {"Authorization": "Bearer sk-bob"}
+    messages = [{"role": "system", "content": prompt("chat", 100)}, {"role": "user", "content": "hi"}]
+    first = httpx.post(url, json={"messages": messages, "max_tokens": 2}, headers=auth, timeout=60)
+    again = httpx.post(url, json={"messages": messages, "max_tokens": 2}, headers=auth, timeout=60)
+    other = httpx.post(url, json={"messages": messages, "max_tokens": 2}, timeout=60,
+                       headers={"Authorization": "Bearer sk-alice-1"})
+    cached = [r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for r in (first, again, other)]
+    assert cached[0] == 0 and cached[1] > 0 and cached[2] == 0
+    r = httpx.post(url, json={"messages": [{"content": 5}]}, headers=auth, timeout=60)
+    assert r.status_code == 400 and "messages[0]" in r.json()["error"]["message"]

@@ -165,8 +165,8 @@ def create_gateway_app(config: GatewayConfig, keys: GatewayKeys, *, operator_key
             if tokens is not None:
                 try:
                     ids = await asyncio.to_thread(tokens.of_body, body, chat)
-                except (ValueError, TypeError, KeyError) as exc:
-                    raise APIError(400, f"cannot tokenize the prompt: {exc}") from None
+                except Exception as exc:   # noqa: BLE001 -- a chat template raises its own kinds
+                    raise APIError(400, f"cannot tokenize the prompt ({type(exc).__name__}): {exc}"[:500]) from None
             path = "/chat/completions" if chat else "/completions"
             headers = proxy.upstream_headers(salt, config.upstream_key, config.salt_header)
             client: httpx.AsyncClient = state["client"]

@@ -55,7 +55,7 @@ class PromptTokens:
             if not isinstance(m, dict) or not isinstance(m.get("content"), (str, list)):
                 raise ValueError(f"messages[{i}] must be an object with string content")
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+        return [int(t) for t in (ids["input_ids"] if hasattr(ids, "keys") else ids)]   # BatchEncoding or list
 
     def of_body(self, body: dict, chat: bool) -> list[int]:
         return self.chat(body.get("messages")) if chat else self.completion(body.get("prompt"))

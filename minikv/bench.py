@@ -3,6 +3,7 @@
     python -m minikv.bench [--device cpu|cuda] [--model smollm2-135m-instruct] [--only throughput,ttft,isolation]
     python -m minikv.bench --only fairness   # a tenant's rejected-anyway flood vs another's tokens (minutes)
     python -m minikv.bench --only trail      # audit-trail bytes per request at each audit level
+    python -m minikv.bench --only sharing    # selective sharing: hit rates and attacks per policy
 
 Machines are shared and noisy, so every speed figure is a *ratio* of two measurements taken in the
 same run, on the same prompts, with the same thread count, after a warm-up:
@@ -39,7 +40,7 @@ from .models.hub import resolve_model
 
 TARGETS = {"throughput_ratio": ">= 1.0", "ttft_hit_over_miss": "<= 0.15",
            "hash_over_prefill": "<= 0.01", "scrub_over_e2e": "<= 0.02"}
-SECTIONS = {"throughput", "ttft", "isolation", "fairness", "trail"}
+SECTIONS = {"throughput", "ttft", "isolation", "fairness", "trail", "sharing"}
 
 
 def _random_prompts(vocab: int, n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
@@ -147,14 +148,18 @@ def bench_isolation(llm: LLM, tenants=(1, 4, 16, 64), seed=0) -> dict:
     return out
 
 
-def hit_rate_vs_tenants(base: LLM, tenants=(1, 4, 16, 64), seed=0, questions_per_tenant=2) -> dict:
+def hit_rate_vs_tenants(base: LLM, tenants=(1, 4, 16, 64), seed=0, questions_per_tenant=2,
+                        extra_policies=(), measure=None) -> dict:
     """Prefix-cache hit rate (cached / prompt tokens) when N tenants share one system prompt.
-    Each configuration is a fork of ``base``: a fresh pool, the same weights."""
+    Each configuration is a fork of ``base``: a fresh pool, the same weights.  ``extra_policies``:
+    more ``(label, fork settings)`` rows on the same requests; ``measure(llm, prompt, tenant) ->
+    (cached, prompt tokens)`` replaces the one-request ``generate`` (``minikv.bench_sharing``)."""
     system = "You are the support assistant of ACME Corp. Answer politely, cite the policy, never share data. " * 3
     words = "order refund shipping invoice account password delivery warranty".split()
     policies = (("shared (unsafe)", dict(cache_isolation="shared")),
                 ("tenant", dict(cache_isolation="tenant")),
-                ("tenant + shared_prefixes", dict(cache_isolation="tenant", shared_prefixes=[system])))
+                ("tenant + shared_prefixes", dict(cache_isolation="tenant", shared_prefixes=[system])),
+                *extra_policies)
     results: dict[str, dict[int, float]] = {label: {} for label, _ in policies}
     for n in tenants:
         rng = random.Random(seed + n)  # the same requests for every policy: a fair comparison
@@ -166,10 +171,15 @@ def hit_rate_vs_tenants(base: LLM, tenants=(1, 4, 16, 64), seed=0, questions_per
                 llm = base.fork(enable_prefix_caching=True, **kwargs)
             cached = total = 0
             for tenant, prompt in reqs:
-                o = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0), tenant=tenant)[0]
-                cached, total = cached + o.num_cached_tokens, total + len(o.prompt_token_ids)
+                c, n = (measure or _generate_one)(llm, prompt, tenant)
+                cached, total = cached + c, total + n
             results[label][n] = cached / total
     return results
+
+
+def _generate_one(llm: LLM, prompt, tenant) -> tuple[int, int]:
+    o = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0), tenant=tenant)[0]
+    return o.num_cached_tokens, len(o.prompt_token_ids)
 
 
 def bench_trail() -> dict:
@@ -211,6 +221,9 @@ def main(argv=None) -> int:
         report["fairness"] = bench_fairness(llm, rounds=args.fairness_rounds)
     if "trail" in sections:
         report["trail"] = bench_trail()
+    if "sharing" in sections:  # selective sharing: cost and leak per policy (minikv.bench_sharing)
+        from .bench_sharing import bench_sharing
+        report["sharing"] = bench_sharing(llm)
     print(format_report(report))
     if args.json:
         with open(args.json, "w") as f:
@@ -236,6 +249,9 @@ def format_report(report: dict) -> str:
     if "fairness" in report:
         from .bench_fairness import format_fairness
         lines += format_fairness(report["fairness"])
+    if "sharing" in report:
+        from .bench_sharing import format_sharing
+        lines += format_sharing(report["sharing"])
     if "trail" in report:
         lines.append("  audit trail, bytes per request (tiny-random, 200 requests, 4 tenants, prefix caching on):")
         for level, size in report["trail"]["bytes_per_request"].items():

@@ -264,3 +264,23 @@ def test_the_dispatch_runs_the_rekey_hooks(base):
     assert [c[0] for c in spy2.calls] == ["on_isolate", "on_isolate"]
     assert llm2.generate([prompt], P1, tenant="a")[0].num_cached_tokens == 2 * BS  # its own, private now
     assert llm2.generate([prompt], P1, tenant="b")[0].num_cached_tokens == 0
+
+
+def test_admit_only_makes_the_decisions_generate_makes(base):
+    """The benchmark's cheap path (minikv.bench_sharing.admit_only) skips only the forward pass:
+    per request, the same cached-token counts as generate, under every policy."""
+    from minikv.bench_sharing import admit_only
+    pool = contents(11, 4, blocks=4)
+    rng = __import__("random").Random(0)
+    reqs = [(f"t{rng.randrange(6)}", pool[min(3, int(rng.expovariate(1.0)))] + [rng.randrange(3, 250) for _ in range(20)])
+            for _ in range(40)]
+    for kw in (dict(cache_isolation="shared"), dict(cache_isolation="tenant"), dict(selective_k=3),
+               dict(selective_k=2), dict(selective_strategy="monitor", reuse_monitor=DetectorMonitor)):
+        kw = {"cache_isolation": "selective", **kw}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UnsafeSettingWarning)
+            real, cheap = (base.fork(enable_prefix_caching=True, num_blocks=24, **kw) for _ in range(2))
+        got = [admit_only(cheap, p, t)[0] for t, p in reqs]
+        want = [real.generate([p], P1, tenant=t)[0].num_cached_tokens for t, p in reqs]
+        assert got == want, kw
+        assert sum(want) > 0

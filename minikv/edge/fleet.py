@@ -141,7 +141,7 @@ def merge_trails(paths: Iterable[str | Path]) -> list[dict]:
 # --------------------------------------------------------------------------- prime and probe
 def prime_and_probe(weights, victim_requests: int, *, quota: int | str | None = None, num_blocks: int = 16,
                     block_size: int = 16, attacker_blocks: int = 4, victim_blocks: int = 3,
-                    seed: int = 0) -> int:
+                    seed: int = 0, **settings) -> int:
     """One round of prime-and-probe on a fresh tenant-isolated instance; returns how many of the
     attacker's own prompt tokens were still cached when it probed.
 
@@ -157,13 +157,15 @@ def prime_and_probe(weights, victim_requests: int, *, quota: int | str | None = 
     the pool sized for the quotas) the victim's load never evicts the attacker's blocks.
     ``quota`` is passed as ``max_cached_blocks_per_tenant``: None is the engine's default
     (``num_blocks // 8``), ``"unlimited"`` turns the quota off (UNSAFE: the attack works).
+    ``settings``: other :class:`EngineConfig` settings of the target (default
+    ``cache_isolation="tenant"``; e.g. ``cache_isolation="selective"``).
     """
     import random
     rng = random.Random(seed)
     vocab = _engine_of(weights).model.shape.vocab_size
-    eng = shared_weights_engine(weights, enable_prefix_caching=True, cache_isolation="tenant",
-                                num_blocks=num_blocks, block_size=block_size,
-                                max_cached_blocks_per_tenant=quota, engine_secret=None)
+    settings.setdefault("cache_isolation", "tenant")
+    eng = shared_weights_engine(weights, enable_prefix_caching=True, num_blocks=num_blocks, block_size=block_size,
+                                max_cached_blocks_per_tenant=quota, engine_secret=None, **settings)
     inst = EdgeInstance("probe-target", eng)
 
     def prompt(n_blocks):

@@ -1,0 +1,124 @@
+"""Plumbing shared by the attack labs and the capstone: hidden servers and sealed learner runs.
+
+An attack lab is only honest if the learner's code has *exactly* what a real attacker has: a
+URL and an API key.  So nothing secret ever lives in the process that runs the learner's code:
+
+* :class:`HiddenServer` starts a server in a **subprocess** (``python -m <module> ...``).  The
+  subprocess draws its own secret (``os.urandom`` unless a seed is given for a lesson), prints
+  one JSON line with what the public may know (URLs, keys, the template of the lab), serves
+  HTTP on loopback, and prints its **answer key** only when its stdin closes
+  (:meth:`HiddenServer.reveal`) -- after the attack has finished, and it serves nothing after.
+* :func:`run_sealed` runs the learner's function in **another subprocess** that receives only
+  that public JSON, so even code that walks the grader's memory (``gc``, frames) finds no
+  pipe to the server and no answer: there is none in its process.
+
+``forbidden_imports`` is the AST check every lab grader runs first (the runner's reference gate,
+:mod:`minikv.grading.guard`, with stricter rules): the engine ships reference attacks and
+detectors, and a lab solved by importing them teaches nothing.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from . import guard
+
+ROOT = Path(__file__).resolve().parents[2]
+#: what a lab solution may not import: the runner's reference gate (:mod:`.guard`), plus every
+#: reference attack and the solutions themselves
+LAB_RULES = {**guard.FORBIDDEN, "minikv.attacks": "minikv.attacks holds the reference attacks",
+             "solutions": "solutions/ holds the reference answers"}
+FORBIDDEN = tuple(LAB_RULES)
+
+
+def forbidden_imports(fn, rules: dict[str, str] = LAB_RULES) -> list[str]:
+    """Forbidden modules imported in the source file that defines ``fn`` (AST, never run)."""
+    try:
+        source = inspect.getsource(inspect.getmodule(fn))
+    except (OSError, TypeError):
+        return []  # no source file (built-in): nothing to check
+    return sorted({module for _, module, _ in guard.forbidden_imports(source, rules=rules)})
+
+
+def target_name(fn) -> str:
+    """``module:qualname`` of a learner function, which a fresh interpreter can import."""
+    mod, qual = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if not mod or mod == "__main__" or "<locals>" in qual:
+        raise ValueError(f"{getattr(fn, '__name__', fn)!r} is defined in a notebook or a function; "
+                         "graders run your code in a fresh process: put it in its exercises/ file")
+    return f"{mod}:{qual}"
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+class HiddenServer:
+    """A lab server in a subprocess; ``info`` is the public JSON it printed on start."""
+
+    def __init__(self, module: str, *args: str, timeout: float = 120.0):
+        self.proc = subprocess.Popen([sys.executable, "-m", module, *args], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     cwd=ROOT, env=_env())
+        line = self.proc.stdout.readline()  # blocks until the server is listening (or died)
+        if not line:
+            err = self.proc.stderr.read()[-2000:]
+            self.proc.wait(timeout)
+            raise RuntimeError(f"{module} did not start (exit {self.proc.returncode}): {err}")
+        self.info = json.loads(line)
+
+    def reveal(self, timeout: float = 60.0) -> dict:
+        """Close the server's stdin: it stops serving and prints its answer key, which we return."""
+        try:
+            out, err = self.proc.communicate(input="", timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.close()
+            raise RuntimeError("the lab server did not stop in time") from None
+        lines = [l for l in out.splitlines() if l.strip()]
+        if self.proc.returncode != 0 or not lines:
+            raise RuntimeError(f"the lab server failed (exit {self.proc.returncode}): {err[-2000:]}")
+        return json.loads(lines[-1])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def run_sealed(fn, args: list, timeout: float) -> tuple[object, float]:
+    """Run ``fn(*args)`` in a fresh interpreter that sees only ``args`` (JSON); return
+    (its JSON-able result, seconds).
+
+    Raises ``TimeoutError``, or ``RuntimeError`` with the learner's traceback tail."""
+    code = ("import json,sys,importlib;m,q=sys.argv[1].split(':');f=importlib.import_module(m)\n"
+            "for p in q.split('.'): f=getattr(f,p)\n"
+            "r=f(*json.loads(sys.stdin.read()))\n"
+            "if isinstance(r,(set,frozenset,tuple)): r=sorted(r,key=str)\n"
+            "print('\\n@@RESULT@@'+json.dumps(r))")
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run([sys.executable, "-c", code, target_name(fn)], input=json.dumps(args),
+                           capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=_env())
+    except subprocess.TimeoutExpired:
+        raise TimeoutError(f"your code ran longer than {timeout:.0f} s") from None
+    took = time.monotonic() - t0
+    if p.returncode != 0 or "@@RESULT@@" not in p.stdout:
+        raise RuntimeError((p.stderr.strip().splitlines() or ["(no output)"])[-1])
+    try:
+        return json.loads(p.stdout.rsplit("@@RESULT@@", 1)[1]), took
+    except ValueError:
+        raise RuntimeError("your function printed '@@RESULT@@' itself") from None

@@ -1,0 +1,112 @@
+"""Graders of the two extraction labs (lesson 04): L1 count oracle, L2 timing oracle.
+
+Each grade starts a victim's server in a subprocess (:mod:`minikv.grading.lab_server`) with a
+secret drawn from ``os.urandom`` *at grade time*, runs the learner's function in another fresh
+process that receives only the lab card (URL, key, template: :func:`~._lab.run_sealed`), then
+closes the server, which prints the secret and what it saw: how many requests the attacker sent,
+how many answers came from the attacker's *own* cache entries (self-priming), and the deepest
+cache hit on the victim's blocks.  A hard-coded answer fails; so does reading the engine: there
+is none in the learner's process.
+
+Scores are probes per recovered token, printed beside a baseline:
+
+* L1: an exhaustive block-by-block search (:func:`exhaustive_probes`): a block with ``u``
+  unknown characters costs ``(a**u + 1) / 2`` probes on average over an alphabet of ``a``,
+  ``a**u`` at worst.  More than the worst case fails: the search repeats itself.
+* L2: the reference solution's cost, measured (:data:`TIMING_REFERENCE_PPT`).  More than
+  :data:`TIMING_BUDGET` times that fails.
+"""
+from __future__ import annotations
+
+from ._lab import FORBIDDEN, HiddenServer, forbidden_imports, run_sealed
+from ._report import expect, grader
+
+#: probes per token of solutions/lab2_timing.py on the lab's layout: 611 requests for 4 characters
+#: (blocks of 10, 100 and 10 candidates; its cost does not depend on the secret: tests/test_labs.py)
+TIMING_REFERENCE_PPT = 611 / 4
+TIMING_BUDGET = 4.0
+
+
+def exhaustive_probes(card: dict) -> tuple[float, int]:
+    """(expected, worst) probes of an exhaustive block-by-block search for ``card``'s layout."""
+    bs, n, a, start = card["block_size"], card["secret_len"], len(card["alphabet"]), len(card["prefix"])
+    expected, worst, done = 0.0, 0, 0
+    while done < n:
+        pos = start + done
+        u = min((pos // bs + 1) * bs - pos, n - done)
+        expected += (a ** u + 1) / 2
+        worst += a ** u
+        done += u
+    return expected, worst
+
+
+def run_lab(fn, mode: str, timeout: float, seed: int | None = None) -> tuple[object, dict, dict, float]:
+    """(learner's answer, lab card, server's answer key, seconds) of one sealed run."""
+    bad = forbidden_imports(fn)
+    expect(not bad, f"your file imports {', '.join(bad)}, which the labs forbid",
+           f"those modules hold the reference answers ({', '.join(FORBIDDEN)}); "
+           "write the attack with OracleClient alone")
+    args = ["--mode", mode] + (["--seed", str(seed)] if seed is not None else [])
+    with HiddenServer("minikv.grading.lab_server", *args) as srv:
+        try:
+            guess, took = run_sealed(fn, [srv.info], timeout)
+        except RuntimeError as exc:
+            srv.close()
+            if str(exc).startswith("NotImplementedError"):
+                raise NotImplementedError(str(exc).split(":", 1)[-1].strip()) from None
+            expect(False, f"your attack raised {exc}", "run it in the lesson against the demo server "
+                   "and read the traceback")
+        except TimeoutError as exc:
+            srv.close()
+            expect(False, str(exc), "a search that never stops usually re-probes the same block forever")
+        key = srv.reveal()
+    return guess, srv.info, key, took
+
+
+def _verdict(guess, card: dict, key: dict, lab: str) -> None:
+    n, secret = card["secret_len"], key["secret"]
+    expect(isinstance(guess, str) and len(guess) == n,
+           f"extract returned {guess!r}; it must return a str of {n} characters",
+           "return the recovered characters only, without the prefix or suffix")
+    expect(key["requests"] > 0, "your attack never asked the oracle", "open OracleClient(card) and probe")
+    if guess == secret:
+        return
+    first = next(i for i in range(n) if guess[i] != secret[i])
+    why = f"recovered {guess!r}, the secret was {secret!r} (first wrong character at position {first})"
+    if key["self_primed"]:
+        expect(False, why + f"; {key['self_primed']} of your {key['requests']} answers came from your own "
+               "earlier probes (self-priming)",
+               "a text you already sent is in the shared cache as *your* entry: never trust a repeat "
+               f"until {card['quota_blocks']} newer blocks of yours have pushed it out")
+    if key["max_victim_cached"] <= key["known_cached"]:
+        expect(False, why + "; no probe ever hit a victim block past the known prefix",
+               "the server always computes the last prompt token: a probe must go on past the block "
+               "it tests (append one more character)")
+    expect(False, why, "check which characters share a block with the known prefix or suffix"
+           if lab == "L1" else "take more samples per candidate before you drop any")
+
+
+@grader("recover the secret block by block with cached_tokens; see the lab's docstring")
+def check_oracle_attack(extract_secret, *, seed: int | None = None, timeout: float = 120.0) -> str:
+    guess, card, key, took = run_lab(extract_secret, "count", timeout, seed)
+    _verdict(guess, card, key, "L1")
+    expected, worst = exhaustive_probes(card)
+    n, probes = card["secret_len"], key["requests"]
+    expect(probes <= worst, f"recovered the secret, but with {probes} probes: an exhaustive search needs "
+           f"at most {worst}", "never send the same probe twice, and stop at the first hit")
+    return (f"recovered {n} characters with {probes} probes = {probes / n:.1f} per token "
+            f"(exhaustive search: {expected / n:.1f} expected, {worst / n:.1f} worst; score "
+            f"{expected / probes:.2f}x), {took:.1f} s")
+
+
+@grader("interleave repeats so that no probe is re-sent before it aged out; see the lab's docstring")
+def check_timing_attack(extract_secret_by_timing, *, seed: int | None = None, timeout: float = 240.0) -> str:
+    guess, card, key, took = run_lab(extract_secret_by_timing, "ttft", timeout, seed)
+    _verdict(guess, card, key, "L2")
+    n, probes = card["secret_len"], key["requests"]
+    budget = TIMING_BUDGET * TIMING_REFERENCE_PPT * n
+    expect(probes <= budget, f"recovered the secret with {probes} probes, over the budget of {budget:.0f}",
+           "drop the slowest candidates after a few rounds instead of sampling all of them every time")
+    return (f"recovered {n} characters from TTFT with {probes} probes = {probes / n:.1f} per token "
+            f"(reference: {TIMING_REFERENCE_PPT:.0f}; score {TIMING_REFERENCE_PPT * n / probes:.2f}x), "
+            f"{key['self_primed']} answers self-primed, {took:.1f} s")

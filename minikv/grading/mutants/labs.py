@@ -1,0 +1,211 @@
+"""Wrong attacks and detectors for the labs (L1-L3): each lab grader must reject all of them
+and say why.  ``LAB_MUTANTS[lab]`` lists ``(name, implementation, what is wrong)``; graders run
+learner code in a fresh process, so every mutant is a module-level function.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import defaultdict
+
+from minikv.audit.oracle_client import OracleClient
+
+from ._table import entries
+
+
+def _blocks(card):
+    """The lab card's layout: (block size, secret length, alphabet, prefix, suffix)."""
+    return card["block_size"], card["secret_len"], card["alphabet"], card["prefix"], card["suffix"]
+
+
+# ============================================================================ L1 count oracle
+def oracle_no_filler(card):
+    """Probes end exactly at the tested block: the server always computes the last prompt token,
+    so that block is never served from cache and nothing ever hits."""
+    bs, n, alphabet, prefix, suffix = _blocks(card)
+    found = ""
+    with OracleClient(card) as oracle:
+        while len(found) < n:
+            start = len(prefix) + len(found)
+            end = (start // bs + 1) * bs
+            u = min(end - start, n - len(found))
+            for g in itertools.product(alphabet, repeat=u):
+                if oracle.cached_tokens(prefix + found + "".join(g) + suffix[:end - start - u]) >= end:
+                    found += "".join(g)
+                    break
+            else:
+                found += alphabet[0] * u
+    return found
+
+
+def oracle_double_check(card):
+    """Re-sends every probe that missed 'to be sure': the second send hits the attacker's own
+    entry from the first (self-priming), so the first candidate always 'wins'."""
+    bs, n, alphabet, prefix, suffix = _blocks(card)
+    found = ""
+    with OracleClient(card) as oracle:
+        while len(found) < n:
+            start = len(prefix) + len(found)
+            end = (start // bs + 1) * bs
+            u = min(end - start, n - len(found))
+            for g in itertools.product(alphabet, repeat=u):
+                probe = prefix + found + "".join(g) + suffix[:end - start - u] + "#"
+                if oracle.cached_tokens(probe) >= end or oracle.cached_tokens(probe) >= end:
+                    found += "".join(g)
+                    break
+    return found
+
+
+def oracle_hard_coded(card):
+    """Returns the secret that worked once (a fixed answer): the grader draws a fresh one."""
+    with OracleClient(card) as oracle:
+        oracle.cached_tokens(card["prefix"] + "#")
+    return "4821"[:card["secret_len"]]
+
+
+# ============================================================================ L2 timing oracle
+def timing_back_to_back(card):
+    """Five samples of each candidate in a row, median: samples 2-5 hit the attacker's own entry
+    from sample 1 (self-priming), so every candidate looks cached."""
+    bs, n, alphabet, prefix, suffix = _blocks(card)
+    found = ""
+    with OracleClient(card) as oracle:
+        while len(found) < n:
+            start = len(prefix) + len(found)
+            end = (start // bs + 1) * bs
+            u = min(end - start, n - len(found))
+            best = min(("".join(g) for g in itertools.product(alphabet, repeat=u)),
+                       key=lambda g: sorted(oracle.ttft_ms(prefix + found + g + suffix[:end - start - u] + "#")
+                                            for _ in range(5))[2])
+            found += best
+    return found
+
+
+def timing_rounds_no_flush(card):
+    """Rounds over all candidates but no flush: a block with 10 candidates re-probes each one after
+    only 9 others, before its first probe aged out of the attacker's quota (self-priming)."""
+    bs, n, alphabet, prefix, suffix = _blocks(card)
+    found = ""
+    with OracleClient(card) as oracle:
+        while len(found) < n:
+            start = len(prefix) + len(found)
+            end = (start // bs + 1) * bs
+            u = min(end - start, n - len(found))
+            cands = ["".join(g) for g in itertools.product(alphabet, repeat=u)]
+            samples = {c: [oracle.ttft_ms(prefix + found + c + suffix[:end - start - u] + "#")
+                           for _ in range(1)] for c in cands}
+            for _ in range(3):
+                for c in cands:
+                    samples[c].append(oracle.ttft_ms(prefix + found + c + suffix[:end - start - u] + "#"))
+            found += min(cands, key=lambda c: sorted(samples[c])[1])
+    return found
+
+
+# ============================================================================ L3 detector
+def _summaries(records):
+    by = defaultdict(list)
+    for r in records:
+        if r.get("event") == "summary" and r.get("prefix_fps"):
+            by[r.get("tenant")].append(r)
+    return by
+
+
+def detect_counts_requests(records, block_size, threshold=8):
+    """Counts requests per (tenant, prefix) without asking whether they differ: a retry loop
+    re-sending one prompt is flagged."""
+    flagged = set()
+    for t, reqs in _summaries(records).items():
+        counts = defaultdict(int)
+        for r in reqs:
+            counts[r["prefix_fps"][-1] if len(r["prefix_fps"]) == 1 else r["prefix_fps"][-2]] += 1
+        flagged |= {t} if max(counts.values()) >= threshold else set()
+    return flagged
+
+
+def detect_across_tenants(records, block_size, threshold=8):
+    """Groups requests of ALL tenants by prefix: a popular system prompt looks like an attack,
+    and every tenant that sent it is flagged."""
+    groups = defaultdict(dict)
+    for t, reqs in _summaries(records).items():
+        for r in reqs:
+            groups[r["prefix_fps"][0]][r["tail_fp"]] = t
+    return {t for g in groups.values() if len(g) >= threshold for t in g.values()}
+
+
+def detect_prefix_only(records, block_size, threshold=8):
+    """Distinct requests sharing a prefix, but no bound on what follows: a long FAQ session or a
+    growing chat after a system prompt is flagged."""
+    flagged = set()
+    for t, reqs in _summaries(records).items():
+        for d in range(1, min(len(r["prefix_fps"]) for r in reqs) + 1):
+            groups = defaultdict(set)
+            for r in reqs:
+                groups[r["prefix_fps"][d - 1]].add(r["tail_fp"])
+            if any(len(g) >= threshold for g in groups.values()):
+                flagged.add(t)
+    return flagged
+
+
+def detect_exact_prefix(records, block_size, threshold=8):
+    """Groups by the WHOLE fingerprint list: an enumeration's requests differ exactly in their
+    last block, so no two of them ever land in one group."""
+    flagged = set()
+    for t, reqs in _summaries(records).items():
+        counts = defaultdict(set)
+        for r in reqs:
+            counts[tuple(r["prefix_fps"])].add(r["tail_fp"])
+        flagged |= {t} if max(len(v) for v in counts.values()) >= threshold else set()
+    return flagged
+
+
+LAB_MUTANTS = {
+    "L1": entries(("no_filler", oracle_no_filler), ("double_check", oracle_double_check),
+                  ("hard_coded", oracle_hard_coded)),
+    "L2": entries(("back_to_back", timing_back_to_back), ("rounds_no_flush", timing_rounds_no_flush)),
+    "L3": entries(("counts_requests", detect_counts_requests), ("across_tenants", detect_across_tenants),
+                  ("prefix_only", detect_prefix_only), ("exact_prefix", detect_exact_prefix)),
+}
+
+
+# ============================================================================ C capstone
+def _fleet_cached(http, url, key, prompt) -> int:
+    r = http.post(f"{url}/completions", headers={"Authorization": f"Bearer {key}"},
+                  json={"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0})
+    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def audit_isolation_only(fleet):
+    """Runs the isolation audit and calls every failure 'shared_cache': never reads the trail (a
+    dropped tenant key looks the same from the API), never tries the public prefix or a collision."""
+    import httpx
+
+    from minikv.audit.isolation_server import audit_server
+
+    out = []
+    with httpx.Client(timeout=120):
+        for url in fleet["nodes"]:
+            if audit_server(url, fleet["api_keys"], model="tiny", rounds=1, prompt_words=20).verdict == "fail":
+                out.append({"node": url, "kind": "shared_cache"})
+    return out
+
+
+def audit_public_hits_are_leaks(fleet):
+    """Treats ANY cross-tenant hit behind the public prefix as first-block keying: hits on the
+    operator-declared public blocks are intended, so every node is reported."""
+    import os
+
+    import httpx
+
+    (alice, _), (bob, _) = list(fleet["api_keys"].items())[:2]
+    out = []
+    with httpx.Client(timeout=120) as http:
+        for url in fleet["nodes"]:
+            public = http.get(url[:-3] + "/fleet/node").json()["public_prefix"]
+            text = public + os.urandom(8).hex() + " private notes of alice, twice as long as a block. ?"
+            _fleet_cached(http, url, alice, text)
+            if _fleet_cached(http, url, bob, text) > 0:
+                out.append({"node": url, "kind": "first_block_only"})
+    return out
+
+
+LAB_MUTANTS["C"] = entries(("isolation_only", audit_isolation_only),
+                           ("public_hits_are_leaks", audit_public_hits_are_leaks))

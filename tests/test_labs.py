@@ -1,0 +1,118 @@
+"""The attack labs (L1 count oracle, L2 timing oracle, L3 probing detector): each grader accepts
+the reference solution, rejects the untouched stub and every mutant, and names the right class
+of bug.  Attack labs run a victim's server in a subprocess and the attack in another one.
+
+Seeds are fixed here so a failure can be replayed; ``make grade`` draws fresh ones.
+"""
+from __future__ import annotations
+
+import pytest
+
+import exercises.lab1_prefix_oracle as ex1
+import exercises.lab3_detector as ex3
+import solutions.lab1_prefix_oracle as sol1
+import solutions.lab2_timing as sol2
+import solutions.lab3_detector as sol3
+from minikv.grading import labs_detector, labs_oracle
+from minikv.grading._lab import forbidden_imports
+from minikv.grading.mutants import labs as mutants
+
+
+def run(check, fn, capsys, **kw):
+    ok = check(fn, **kw)
+    return ok, capsys.readouterr().out
+
+
+def test_exhaustive_baseline_matches_the_layout():
+    card = dict(block_size=2, secret_len=4, alphabet="0123456789", prefix="Vault PIN: ")
+    # blocks: 1 unknown (after 'Vault PIN:' + ' '), then 2, then 1 (+ the suffix's first char)
+    assert labs_oracle.exhaustive_probes(card) == ((11 / 2) + (101 / 2) + (11 / 2), 120)
+    assert labs_oracle.exhaustive_probes({**card, "prefix": "PIN:"}) == (2 * 101 / 2, 200)
+
+
+def test_l1_solution_passes_and_reports_its_score(capsys):
+    ok, out = run(labs_oracle.check_oracle_attack, sol1.extract_secret, capsys, seed=11)
+    assert ok, out
+    assert "per token" in out and "exhaustive search" in out
+
+
+def test_l1_stub_fails_as_not_implemented(capsys):
+    ok, out = run(labs_oracle.check_oracle_attack, ex1.extract_secret, capsys, seed=11)
+    assert not ok and "not implemented yet" in out
+
+
+@pytest.mark.parametrize("name,fn,why", [
+    ("no_filler", mutants.oracle_no_filler, "last prompt token"),
+    ("double_check", mutants.oracle_double_check, "self-priming"),
+    ("hard_coded", mutants.oracle_hard_coded, "the secret was"),
+])
+def test_l1_rejects_mutants_with_the_right_diagnosis(name, fn, why, capsys):
+    ok, out = run(labs_oracle.check_oracle_attack, fn, capsys, seed=11)
+    assert not ok, out
+    assert why in out, out
+
+
+def test_timing_solution_cost_does_not_depend_on_the_secret(capsys):
+    """The published baseline (TIMING_REFERENCE_PPT) is the reference's exact cost: same layout,
+    two secrets, the same number of requests, and no answer came from its own entries."""
+    for seed in (3, 4):
+        ok, out = run(labs_oracle.check_timing_attack, sol2.extract_secret_by_timing, capsys, seed=seed)
+        assert ok, out
+        assert f"with {round(labs_oracle.TIMING_REFERENCE_PPT * 4)} probes" in out and "0 answers self-primed" in out
+
+
+@pytest.mark.parametrize("name,fn", [(n, f) for n, f, _ in mutants.LAB_MUTANTS["L2"]])
+def test_l2_rejects_self_primed_attacks(name, fn, capsys):
+    ok, out = run(labs_oracle.check_timing_attack, fn, capsys, seed=3)
+    assert not ok, out
+    assert "self-priming" in out, out
+
+
+def test_forbidden_imports_are_refused(tmp_path, monkeypatch, capsys):
+    mod = tmp_path / "cheat_lab.py"
+    mod.write_text("from minikv.attacks.prefix_oracle import recover_secret_by_count\n"
+                   "import solutions.lab1_prefix_oracle\n"
+                   "def extract_secret(card):\n    return '0000'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import cheat_lab
+    assert forbidden_imports(cheat_lab.extract_secret) == ["minikv.attacks.prefix_oracle",
+                                                           "solutions.lab1_prefix_oracle"]
+    ok, out = run(labs_oracle.check_oracle_attack, cheat_lab.extract_secret, capsys, seed=1)
+    assert not ok and "which the labs forbid" in out
+
+
+def test_notebook_functions_are_refused_with_a_reason(capsys):
+    def extract_secret(card):
+        return "0000"
+    ok, out = run(labs_oracle.check_oracle_attack, extract_secret, capsys, seed=1)
+    assert not ok and "exercises/ file" in out
+
+
+# ----------------------------------------------------------------------------- L3 detector
+def test_mixed_trail_roles_and_reference():
+    records, roles = labs_detector.mixed_trail(7)
+    kinds = set(roles.values())
+    assert {"victim", "attacker", "benign:retry", "benign:chat", "benign:faq", "benign:popular"} <= kinds
+    caught, attackers, fp, benign = labs_detector.score(labs_detector.reference_flags(records), roles)
+    assert attackers >= 2 and caught == attackers and fp == 0  # the reference is the bar: it must be met
+    assert labs_detector.workload(7)[1] != labs_detector.workload(8)[1]  # names/roles change with the seed
+
+
+def test_l3_solution_passes_and_stub_fails(capsys):
+    ok, out = run(labs_detector.check_detector, sol3.detect_probing, capsys, seeds=[1, 2])
+    assert ok, out
+    assert "false positives" in out and "reference" in out
+    ok, out = run(labs_detector.check_detector, ex3.detect_probing, capsys, seeds=[1])
+    assert not ok and "not implemented yet" in out
+
+
+@pytest.mark.parametrize("name,fn,why", [
+    ("counts_requests", mutants.detect_counts_requests, "retry loop"),
+    ("across_tenants", mutants.detect_across_tenants, "per tenant"),
+    ("prefix_only", mutants.detect_prefix_only, "within one block"),
+    ("exact_prefix", mutants.detect_exact_prefix, "attackers, the reference catches"),
+])
+def test_l3_rejects_mutants_with_the_right_diagnosis(name, fn, why, capsys):
+    ok, out = run(labs_detector.check_detector, fn, capsys, seeds=[1, 2])
+    assert not ok, out
+    assert why in out, out

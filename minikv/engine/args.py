@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from .config import CACHE_ISOLATION, DTYPES, HASH_ALGOS
+from .config import ATTENTION_BACKENDS, CACHE_ISOLATION, DTYPES, HASH_ALGOS
 from .config import SCRUB_POLICIES as SCRUB
 from .config import SHARING_STRATEGIES
 _VERIFY = {"true": "IDENTITY", "false": "NOTHING", "tokens": "TOKENS"}  # --verify-hits -> VerifyHits
@@ -45,6 +45,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = True
     g.add_argument("--max-num-batched-tokens", type=positive_int, help="prefill token budget per step")
     g.add_argument("--max-model-len", type=positive_int, help="longest sequence (default: the model's)")
     g.add_argument("--kv-cache-memory-gb", type=float, help="KV pool budget when --num-blocks is not given")
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS,
+                   help="reference (explicit gather), fused (batched, per-step metadata) or auto (default: fused)")
     s = p.add_argument_group("cache policy")
     s.add_argument("--enable-prefix-caching", action="store_true", default=None,
                    help="reuse the KV of identical prefix blocks (within the isolation domain)")
@@ -75,7 +77,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = True
 
 
 _FIELDS = ("model", "device", "dtype", "seed", "block_size", "num_blocks", "max_num_seqs",
-           "max_num_batched_tokens", "max_model_len", "kv_cache_memory_gb", "enable_prefix_caching",
+           "max_num_batched_tokens", "max_model_len", "kv_cache_memory_gb", "attention_backend", "enable_prefix_caching",
            "cache_isolation", "hash_algo", "chain_hashes", "scrub", "max_cached_blocks_per_tenant",
            "audit_log", "audit_level")
 

@@ -20,6 +20,7 @@ from typing import Any
 from ..security.keys import check_secret
 from ..security.hashing import HASHERS, UNSAFE_HASHES
 from ..security.scrub import SCRUBBERS, UNSAFE_SCRUBBERS
+from .attention_backends import ATTENTION_BACKENDS
 from .checks import as_int, as_real, as_seed, show
 from .lifecycle import VerifyHits
 from .sharing import STRATEGIES as SHARING_STRATEGIES
@@ -56,6 +57,9 @@ class EngineConfig:
         max_model_len: longest sequence (prompt + output); None = the model's context.
         enable_prefix_caching: reuse the KV of identical full prefix blocks.
         seed: seeds the engine RNG used by requests that set no seed of their own.
+        attention_backend: ``"reference"`` (the explicit gather the lessons read), ``"fused"``
+            (per-step metadata, batched attention) or ``"auto"`` (fused; never compiles); see
+            ``attention_backends.py``.  Both compute the same logits.
 
     Isolation (see ``minikv.security``)
         cache_isolation: ``"tenant"`` (hits only within a tenant), ``"request"`` (no reuse
@@ -114,6 +118,7 @@ class EngineConfig:
     kv_cache_memory_gb: float = 1.0
     enable_prefix_caching: bool = False
     seed: int = 0
+    attention_backend: str = "auto"
     cache_isolation: str = "tenant"
     hash_algo: str = "sha256"
     chain_hashes: bool = True
@@ -144,6 +149,7 @@ class EngineConfig:
         if self.selective_strategy == "monitor" and self.cache_isolation == "selective" and self.reuse_monitor is None:
             raise ValueError("selective_strategy='monitor' needs reuse_monitor= (a factory; "
                              "minikv.audit.monitor.DetectorMonitor wraps the audit detector)")
+        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("audit_level", self.audit_level, AUDIT_LEVELS)
         _check_choice("hash_algo", self.hash_algo, HASH_ALGOS)
         self.verify_hits = VerifyHits.of(self.verify_hits)

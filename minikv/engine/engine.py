@@ -21,6 +21,7 @@ from ..security.hashing import make_hasher
 from ..security.keys import derive_operator_key, derive_tenant_key, new_engine_secret
 from ..security.scrub import make_scrubber, scrub_hook, zeroes
 from . import step_guard
+from .attention_backends import resolve_backend
 from .block_manager import ALL_TENANTS, BlockManager
 from .chat import encode_text
 from .checks import as_int, show
@@ -31,7 +32,7 @@ from .lifecycle import LIFECYCLE, Transition
 from .loader import eos_token_ids, resolve_dtype
 from .model_runner import score_tokens
 from .outputs import RequestOutput
-from .sampling import SamplingParams, sample_row, stop_reason
+from .sampling import SamplingParams, sample, stop_reason
 from .scheduler import Scheduler
 from .seams import EngineSeams
 from .sequence import Sequence, SequenceStatus, common_prefix_len
@@ -70,6 +71,7 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
         self.scrubber = scrubber
         self.pool = KVPool(s.num_layers, self.num_blocks, c.block_size, s.num_kv_heads, s.head_dim,
                            self.dtype, self.device)
+        self.attention_backend = resolve_backend(c.attention_backend, self.device.type)  # model_runner.FORWARDS
         self._secret = c.engine_secret or new_engine_secret()  # never logged or returned
         hasher = c.block_hasher if c.block_hasher is not None else make_hasher(c.hash_algo, self._secret)
         self.block_manager = BlockManager(
@@ -260,6 +262,8 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
         rows, failed = step_guard.guarded_forward(self, batch.prefills, batch.decodes)
         if self.logit_trace is not None:
             self.logit_trace.append({s.request_id: row.cpu() for s, row in rows.items()})
+        live = [s for s in batch.prefills + batch.decodes if s not in failed]  # one batched draw
+        drawn = dict(zip(live, sample([rows[s] for s in live], [s.params for s in live], [s.generator for s in live])))
         now = time.perf_counter()
         outputs = []
         for seq in batch.prefills + batch.decodes:
@@ -269,7 +273,9 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
             stage = "sample"
             try:  # the per-sequence stages: whatever raises here is this sequence's failure
                 step_guard.inject(self, stage, seq)
-                tok = sample_row(rows[seq].float(), seq.params, seq.generator)
+                tok = drawn[seq]
+                if isinstance(tok, Exception):
+                    raise tok
                 stage = "commit"
                 step_guard.inject(self, stage, seq)
                 seq.num_computed_tokens = seq.num_tokens

@@ -11,6 +11,14 @@ wrote it, so whatever guards *which* request may read it must be right.
 Layout: ``k_cache[layer, block, slot, kv_head, head_dim]`` (and ``v_cache`` likewise).  A
 token at position ``p`` of a sequence lives in slot ``p % block_size`` of physical block
 ``block_table[p // block_size]``; its flat *slot index* is ``block_id * block_size + slot``.
+
+One block more than ``num_blocks`` is allocated: the **pad block** (id ``num_blocks``).  A batch
+of block tables is a rectangle, so a short sequence's row must be padded up to the longest
+one's; padding with block 0 would point attention at another request's K/V, hidden only by the
+mask.  The pad block is never handed out by the block manager (its ids stop at ``num_blocks - 1``),
+never written (no slot maps to it) and never scrubbed, so it is always zero.  ``k_cache`` and
+``v_cache`` are views of the first ``num_blocks`` blocks: what lessons, scrubbers and snapshots
+see is exactly the pool the block manager manages.
 """
 from __future__ import annotations
 
@@ -33,9 +41,19 @@ class KVPool:
         # Zeros, never torch.empty: uninitialised memory would hold whatever the allocator had
         # before (another process's data on a GPU) and make every unmasked read irreproducible.
         # What scrubbing is about is different: data that *requests* wrote and then freed.
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        shape = (num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim)  # + the pad block
+        self._k = torch.zeros(shape, dtype=dtype, device=self.device)
+        self._v = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.k_cache, self.v_cache = self._k[:, :num_blocks], self._v[:, :num_blocks]
+        # Per-layer views with one row per slot, pad block included: what writes and gathers index.
+        flat = ((num_blocks + 1) * block_size, num_kv_heads, head_dim)
+        self.k_slots = [self._k[i].view(flat) for i in range(num_layers)]
+        self.v_slots = [self._v[i].view(flat) for i in range(num_layers)]
+
+    @property
+    def pad_block(self) -> int:
+        """Id of the reserved, always-zero block that pads block tables (see the module doc)."""
+        return self.num_blocks
 
     @property
     def nbytes(self) -> int:
@@ -48,17 +66,16 @@ class KVPool:
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new tokens' K/V ([T, kv_heads, head_dim]) at flat slot indices ``slots``."""
-        flat = (self.num_blocks * self.block_size, self.num_kv_heads, self.head_dim)
-        self.k_cache[layer].view(flat).index_copy_(0, slots, k.to(self.dtype))
-        self.v_cache[layer].view(flat).index_copy_(0, slots, v.to(self.dtype))
+        self.k_slots[layer].index_copy_(0, slots, k.to(self.dtype))
+        self.v_slots[layer].index_copy_(0, slots, v.to(self.dtype))
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K/V of whole blocks for each row of ``block_tables`` ([B, max_blocks]) as
         [B, max_blocks * block_size, kv_heads, head_dim].  Slots past a sequence's length hold
-        stale data; attention must mask them (see ``attention.context_mask``)."""
-        b, n = block_tables.shape
-        k = self.k_cache[layer][block_tables].reshape(b, n * self.block_size, self.num_kv_heads, self.head_dim)
-        v = self.v_cache[layer][block_tables].reshape(b, n * self.block_size, self.num_kv_heads, self.head_dim)
+        stale data, and pad-block slots zeros; attention must mask them (``attention.context_mask``)."""
+        b, n = block_tables.shape  # may name the pad block (id num_blocks): zeros
+        k = self._k[layer][block_tables].reshape(b, n * self.block_size, self.num_kv_heads, self.head_dim)
+        v = self._v[layer][block_tables].reshape(b, n * self.block_size, self.num_kv_heads, self.head_dim)
         return k, v
 
     def read_block(self, block_id: int) -> tuple[torch.Tensor, torch.Tensor]:

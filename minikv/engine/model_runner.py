@@ -13,32 +13,76 @@ from __future__ import annotations
 import torch
 
 from .attention import AttentionMetadata, PrefillItem
+from .attention_fused import build_plan, fused_forward, to_device
 from .checks import show
 from .sampling import SamplingParams
 from .sequence import Sequence
 
 
-def prepare_inputs(prefills: list[Sequence], decodes: list[Sequence], block_size: int, device):
+def prepare_inputs(prefills: list[Sequence], decodes: list[Sequence], block_size: int, device,
+                   pad_block: int, model=None):
     """Returns ``(input_ids, positions, meta, last_rows)``; ``last_rows[i]`` is the flat row of
-    sequence i's last new token (prefills then decodes): the row we sample its next token from."""
+    sequence i's last new token (prefills then decodes): the row we sample its next token from.
+
+    ``meta`` is the reference backend's :class:`AttentionMetadata`, or, given ``model``, the fused
+    backend's :class:`~minikv.engine.attention_fused.FusedPlan`.  Decode block tables are padded
+    with ``pad_block``, the pool's reserved always-zero block (``KVPool.pad_block``), never with
+    a block some request owns."""
     ids, pos, slots, items, last_rows = [], [], [], [], []
     for seq in prefills + decodes:
         start, end = seq.num_computed_tokens, seq.num_tokens
         if len(items) < len(prefills):
-            items.append(PrefillItem(len(ids), end - start, end, torch.tensor(seq.block_table, device=device)))
+            items.append((len(ids), end - start, end, seq.block_table))
         ids.extend(seq.token_ids[start:end])
         pos.extend(range(start, end))
         # A token at position p lives in slot p % block_size of logical block p // block_size.
         slots.extend(seq.block_table[p // block_size] * block_size + p % block_size for p in range(start, end))
         last_rows.append(len(ids) - 1)
+    input_ids, positions = to_device(ids, torch.long, device), to_device(pos, torch.long, device)
+    slots_t, last_rows_t = to_device(slots, torch.long, device), to_device(last_rows, torch.long, device)
+    if model is not None:
+        dec = [(len(ids) - len(decodes) + i, s.num_tokens, s.block_table) for i, s in enumerate(decodes)]
+        return input_ids, positions, build_plan(model, positions, slots_t, items, dec, block_size, pad_block), last_rows_t
     tables = lens = None
     if decodes:
         width = max(len(s.block_table) for s in decodes)
-        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in decodes], device=device)
-        lens = torch.tensor([s.num_tokens for s in decodes], device=device)
-    meta = AttentionMetadata(torch.tensor(slots, device=device), items, len(ids) - len(decodes), tables, lens)
-    return (torch.tensor(ids, device=device), torch.tensor(pos, device=device), meta,
-            torch.tensor(last_rows, device=device))
+        tables = to_device([s.block_table + [pad_block] * (width - len(s.block_table)) for s in decodes],
+                           torch.long, device)
+        lens = to_device([s.num_tokens for s in decodes], torch.long, device)
+    prefill_items = [PrefillItem(a, n, c, to_device(bt, torch.long, device)) for a, n, c, bt in items]
+    meta = AttentionMetadata(slots_t, prefill_items, len(ids) - len(decodes), tables, lens)
+    return input_ids, positions, meta, last_rows_t
+
+
+def _reference(engine, input_ids, positions, meta) -> torch.Tensor:
+    if engine.decode_mask is not None:  # the test-only seams of seams.py (None on a normal engine)
+        meta.decode_mask = engine.decode_mask
+    meta.on_decode_read = engine.kv_read_observer
+    return engine.model.forward(input_ids, positions, engine.pool, meta)
+
+
+def _fused(engine, input_ids, positions, plan) -> torch.Tensor:
+    return fused_forward(engine.model, input_ids, engine.pool, plan)
+
+
+# The attention backends' forward passes, by the names of ``attention_backends.BACKENDS``.
+FORWARDS = {"reference": _reference, "fused": _fused}
+
+
+def run_model(engine, prefills: list[Sequence], decodes: list[Sequence], all_rows: bool = False) -> torch.Tensor:
+    """The engine's forward pass over one batch, with its attention backend: logits ([rows, vocab],
+    fp32) of each sequence's last new token, or of every new token when ``all_rows``.
+
+    An engine with a test-only seam installed (a decode mask or a KV-read observer, ``seams.py``)
+    runs the reference backend: those seams are hooks *into* its explicit gather."""
+    backend = engine.attention_backend
+    if engine.decode_mask is not None or engine.kv_read_observer is not None:
+        backend = "reference"
+    input_ids, positions, meta, last_rows = prepare_inputs(
+        prefills, decodes, engine.block_size, engine.device, engine.pool.pad_block,
+        engine.model if backend == "fused" else None)
+    hidden = FORWARDS[backend](engine, input_ids, positions, meta)
+    return engine.model.logits(hidden if all_rows else hidden[last_rows])
 
 
 def score_tokens(engine, token_ids: list[int]) -> torch.Tensor:
@@ -56,7 +100,6 @@ def score_tokens(engine, token_ids: list[int]) -> torch.Tensor:
         raise RuntimeError("the pool has no room to score this sequence now")
     try:
         seq.num_computed_tokens = 0  # score every position, even a prefix-cache hit's
-        input_ids, positions, meta, _ = prepare_inputs([seq], [], engine.block_size, engine.device)
-        return engine.model.logits(engine.model.forward(input_ids, positions, engine.pool, meta))
+        return run_model(engine, [seq], [], all_rows=True)
     finally:
         engine.block_manager.free(seq)

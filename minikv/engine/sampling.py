@@ -89,24 +89,72 @@ class SamplingParams:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
-    """Pick one token per row of ``logits`` ([batch, vocab], any float dtype).
+           generators: list[torch.Generator | None]) -> list[int | Exception]:
+    """Pick one token per row of ``logits`` ([batch, vocab] or a list of [vocab] rows, any float
+    dtype), all rows at once: the engine's sampler.
 
-    Greedy rows take the argmax (one batched call); the others go through :func:`sample_row`.
-    The engine calls :func:`sample_row` itself, one sequence at a time, so that a row that
-    cannot be sampled fails only its own request (see ``step_guard.py``).
+    Every row gets exactly what :func:`sample_row` would give it -- the same token for the same
+    seed -- but the filters run as batched ops and the draw costs no ``.item()`` per row: one
+    ``tolist()`` at the end is the step's only device-to-host sync.  The draw is the trick
+    ``torch.multinomial`` itself uses for one sample: ``argmax(probs / q)`` with ``q ~ Exp(1)``
+    drawn from the request's own generator, so a request's randomness never depends on its
+    batch.  A row that cannot be sampled (NaN or inf logits) comes back as a ``ValueError``
+    in its place, so it fails only its own request (``step_guard.py``); should the batched
+    code itself raise, every row is retried alone with :func:`sample_row`.
     """
-    logits = logits.float()
-    out = logits.argmax(dim=-1).tolist()
-    for i, p in enumerate(params):
-        if not p.greedy:
-            out[i] = sample_row(logits[i], p, generators[i])
-    return out
+    if not params:
+        return []
+    try:
+        tokens, bad = _sample_batch(torch.stack(list(logits)).float() if isinstance(logits, (list, tuple))
+                                    else logits.float(), params, generators)
+    except Exception:  # noqa: BLE001 -- fall back to one row at a time, each failing alone
+        return [_try_row(logits[i], p, generators[i]) for i, p in enumerate(params)]
+    return [ValueError("cannot sample: the row's probabilities are not finite (NaN/inf logits)") if b else t
+            for t, b in zip(tokens, bad)]
+
+
+def _try_row(row, p, generator) -> int | Exception:
+    try:
+        return sample_row(row.float(), p, generator)
+    except Exception as exc:  # noqa: BLE001
+        return exc
+
+
+def _sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators) -> tuple[list, list]:
+    greedy_rows = logits.argmax(dim=-1)
+    random = [i for i, p in enumerate(params) if not p.greedy]
+    if not random:
+        return greedy_rows.tolist(), [False] * len(params)
+    device, vocab = logits.device, logits.shape[-1]
+    x = logits[random] / torch.tensor([params[i].temperature for i in random], device=device)[:, None]
+    top_k = [params[i].top_k if 0 < params[i].top_k < vocab else vocab for i in random]
+    if min(top_k) < vocab:  # keep values >= each row's k-th largest (ties kept, as topk does)
+        kth = x.sort(dim=-1, descending=True).values.gather(1, torch.tensor(top_k, device=device)[:, None] - 1)
+        x = x.masked_fill(x < kth, float("-inf"))
+    top_p = [params[i].top_p for i in random]
+    if min(top_p) < 1.0:  # drop a token once the mass before it reaches top_p (see sample_row)
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        drop = ((torch.cumsum(probs, dim=-1) - probs) >= torch.tensor(top_p, device=device)[:, None])
+        drop &= torch.tensor([p < 1.0 for p in top_p], device=device)[:, None]
+        x = x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    q = torch.empty_like(probs)
+    for row, i in enumerate(random):  # each request's own stream: vocab draws per step, always
+        q[row].exponential_(1, generator=generators[i])
+    drawn = (probs / q).argmax(dim=-1)
+    bad = ~(torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0))
+    idx = torch.tensor(random, device=device)
+    out = greedy_rows.index_copy(0, idx, drawn)
+    flags = torch.zeros_like(out, dtype=torch.bool).index_copy(0, idx, bad)
+    tokens, flags = torch.stack([out, flags.long()]).tolist()  # the one sync
+    return tokens, [bool(f) for f in flags]
 
 
 def sample_row(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
     """Draw one token from one fp32 row of logits: temperature, then top-k, then top-p
-    (nucleus) filtering, then a draw from what is left with the request's own generator."""
+    (nucleus) filtering, then a draw from what is left with the request's own generator.
+    The readable one-row version of :func:`sample` (which must agree with it token for token)."""
     if p.greedy:
         return int(row.argmax().item())
     row = row / p.temperature

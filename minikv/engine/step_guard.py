@@ -33,7 +33,7 @@ import logging
 
 import torch
 
-from .model_runner import prepare_inputs
+from .model_runner import run_model
 from .sequence import Sequence
 
 STAGES = ("forward", "sample", "commit", "detokenize")
@@ -69,15 +69,11 @@ def guarded_forward(engine, prefills: list[Sequence], decodes: list[Sequence]
 
 
 def _forward(engine, prefills: list[Sequence], decodes: list[Sequence]) -> torch.Tensor:
-    """Logits of the last new token of each sequence ([batch, vocab], the model's dtype)."""
+    """Logits (fp32) of the last new token of each sequence ([batch, vocab]), computed by the
+    engine's attention backend (``model_runner.run_model``)."""
     for seq in prefills + decodes:
         inject(engine, "forward", seq)
-    input_ids, positions, meta, last_rows = prepare_inputs(prefills, decodes, engine.block_size, engine.device)
-    if engine.decode_mask is not None:  # the test-only seams of seams.py (None on a normal engine)
-        meta.decode_mask = engine.decode_mask
-    meta.on_decode_read = engine.kv_read_observer
-    hidden = engine.model.forward(input_ids, positions, engine.pool, meta)
-    return engine.model.logits(hidden[last_rows])
+    return run_model(engine, prefills, decodes)
 
 
 def describe_failure(seq: Sequence, stage: str, exc: BaseException) -> str:

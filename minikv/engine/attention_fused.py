@@ -1,0 +1,204 @@
+"""The fused forward pass: the reference arithmetic, with the per-step work done once per step.
+
+``attention.paged_attention`` (the reference) is written for reading: each layer loops over the
+prefills, gathers every decoding sequence's blocks into a padded tensor and builds its masks.  On
+a small model the layers are cheap, so that bookkeeping *is* the step: about 2,200 aten ops per
+decode step for SmolLM2 at batch 16, each one a Python call and, on a GPU, a kernel launch.
+
+This path computes the same thing (``tests/test_attention_fused.py`` holds it to 1e-4 of the
+largest logit in fp32, greedy tokens identical) with three changes:
+
+* **A plan per step, not per layer.**  :func:`build_plan` turns the batch into tensors once:
+  the slot of every new token, for each *group* of sequences the pool slot of every key
+  position (short rows padded with the pool's always-zero pad block) and an additive mask, and
+  the RoPE tables.  Every layer reuses them.
+* **One attention call per group and layer.**  Fresh prefills form one group: causal SDPA over
+  their own new K/V, padded at the end, with no mask (``is_causal``: the same kernel call as
+  transformers, so ``score`` matches it bit for bit in fp32).  Prefix-hit prefills form another
+  and decodes a third: the queries over keys read from the pool, with an additive mask, and
+  grouped-query attention folded into the query length (the ``rep`` query heads of one KV head
+  become ``rep`` query rows), so never ``enable_gqa`` with a mask: on CUDA that pair falls back
+  to SDPA's slow math kernel.
+* **Fewer ops per layer.**  RoPE is ``x * cos + roll(x) * sin`` over q, k and v at once (v's
+  table is cos 1, sin 0; not ``addcmul``, whose fused multiply-add rounds differently from
+  transformers); residual adds are in place; ``rms_norm`` is one op; the pool already has
+  the model's dtype, so nothing is cast.
+
+What it does not do: read the pool *inside* the attention kernel.  Keys are gathered per group
+(``pool.k_slots[layer][kv_slots]``), padded to the group's longest context.  A paged kernel
+(vLLM's PagedAttention, FlashInfer, or ``flex_attention`` with a paged block mask on CUDA) would
+skip that copy; on the CPU ``flex_attention`` needs ``torch.compile``, which minikv never runs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# A prefill group is split into one group per sequence when padding it to its longest member
+# would more than double the query rows (one 4,000-token prompt among short ones, say).
+MAX_PAD_FACTOR = 2.0
+
+
+@dataclass
+class Group:
+    """One batched attention call over ``S`` sequences of one kind, ``n_max`` query rows each.
+
+    ``kind`` is ``"fresh"`` (prefills with nothing cached: causal attention over their own new
+    K/V, padded at the end, exactly what transformers computes), ``"cached"`` (prefix-hit
+    prefills: the new tokens over the whole context, read from the pool, with a mask) or
+    ``"decode"`` (one query per sequence, over the pool, with a mask)."""
+
+    kind: str
+    rows: torch.Tensor | slice  # [S, n_max] flat rows of the queries (decode: a slice, one row each)
+    dest: torch.Tensor | slice  # flat rows of the real queries, in the order of ``keep``
+    keep: torch.Tensor | None  # real rows of the padded [S * n_max] output (None: all of them)
+    n_max: int
+    kv_slots: torch.Tensor | None = None  # [S, c_max] pool slot of every key (pad block past the end)
+    mask: torch.Tensor | None = None  # [S, 1, rep * n_max or 1, c_max] additive (0 / -inf), model dtype
+
+
+@dataclass
+class FusedPlan:
+    """Everything the fused layers need about one step, built once (:func:`build_plan`)."""
+
+    slots: torch.Tensor  # [T] pool slot of each new token
+    cos: torch.Tensor  # [T, q_heads + 2 * kv_heads, head_dim]: 1 on v's heads
+    sin: torch.Tensor  # same shape, rotate-half's sign folded in: 0 on v's heads
+    groups: list[Group]
+
+
+def to_device(values, dtype, device) -> torch.Tensor:
+    """A host list as a tensor on ``device``; on CUDA through pinned memory, without blocking."""
+    if device.type == "cuda":
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def _padded_rows(starts, news, n_max, device):
+    """``(rows, dest, keep)``: [S, n_max] flat rows of each sequence's queries (padding repeats
+    its last row: finite, never kept), the flat rows of the real queries, and their indices in
+    the padded [S * n_max] output."""
+    rows = to_device([[st + min(i, n - 1) for i in range(n_max)] for st, n in zip(starts, news)], torch.long, device)
+    keep = to_device([i * n_max + j for i, n in enumerate(news) for j in range(n)], torch.long, device)
+    dest = to_device([st + j for st, n in zip(starts, news) for j in range(n)], torch.long, device)
+    return rows, dest, keep
+
+
+def _group(kind, starts, news, contexts, tables, *, block_size, pad_block, rep, dtype, device) -> Group:
+    """Plan one group: sequence ``i`` has ``news[i]`` new tokens at flat rows ``starts[i]...``,
+    ``contexts[i]`` tokens in all (cached + new) and block table ``tables[i]``."""
+    n_max = max(news)
+    if kind == "fresh":  # is_causal over the padded new tokens: no mask, no pool read
+        return Group(kind, *_padded_rows(starts, news, n_max, device), n_max)
+    width = max(map(len, tables))
+    table = to_device([t + [pad_block] * (width - len(t)) for t in tables], torch.long, device)
+    kv_slots = (table[:, :, None] * block_size + torch.arange(block_size, device=device)).flatten(1)
+    ctx = to_device(contexts, torch.long, device)
+    keys = torch.arange(width * block_size, device=device)
+    if kind == "decode":  # the query is the last position; it sees the whole context
+        allowed = (keys[None, :] < ctx[:, None])[:, None, None, :]
+        rows = dest = slice(starts[0], starts[0] + len(starts))
+        keep = None
+    else:  # causal over the context: query i sits at position context - new + i
+        qpos = (ctx - to_device(news, torch.long, device))[:, None] + torch.arange(n_max, device=device)
+        allowed = (keys[None, None, :] <= qpos[:, :, None]) & (keys[None, None, :] < ctx[:, None, None])
+        allowed = allowed[:, None].expand(-1, rep, -1, -1).reshape(len(news), 1, rep * n_max, -1)
+        rows, dest, keep = _padded_rows(starts, news, n_max, device)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+    return Group(kind, rows, dest, keep, n_max, kv_slots, mask)
+
+
+def build_plan(model, positions: torch.Tensor, slots: torch.Tensor, prefills: list[tuple],
+               decodes: list[tuple], block_size: int, pad_block: int) -> FusedPlan:
+    """``prefills``: ``(start_row, num_new, context_len, block_table)`` per prefilling sequence;
+    ``decodes``: ``(row, context_len, block_table)`` per decoding one (rows after the prefills)."""
+    s, device, dtype = model.shape, model.device, model.dtype
+    cos, sin = model.rotary(positions)  # [T, 1, D], the model's dtype
+    half = s.head_dim // 2
+    sign = torch.cat([-torch.ones(half, dtype=dtype, device=device), torch.ones(half, dtype=dtype, device=device)])
+    qk, t = s.num_heads + s.num_kv_heads, positions.shape[0]
+    cos = torch.cat([cos.expand(t, qk, -1), cos.new_ones(t, s.num_kv_heads, s.head_dim)], dim=1)
+    sin = torch.cat([(sin * sign).expand(t, qk, -1), sin.new_zeros(t, s.num_kv_heads, s.head_dim)], dim=1)
+    kw = dict(block_size=block_size, pad_block=pad_block, rep=s.num_heads // s.num_kv_heads,
+              dtype=dtype, device=device)
+    groups = []
+    for kind in ("fresh", "cached"):
+        mine = [p for p in prefills if (p[1] == p[2]) == (kind == "fresh")]
+        if not mine:
+            continue
+        news = [p[1] for p in mine]
+        chunks = [mine] if len(mine) * max(news) <= MAX_PAD_FACTOR * sum(news) else [[p] for p in mine]
+        for c in chunks:
+            groups.append(_group(kind, [p[0] for p in c], [p[1] for p in c], [p[2] for p in c], [p[3] for p in c], **kw))
+    if decodes:
+        groups.append(_group("decode", [d[0] for d in decodes], [1] * len(decodes), [d[1] for d in decodes],
+                             [d[2] for d in decodes], **kw))
+    return FusedPlan(slots, cos, sin, groups)
+
+
+def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool, plan: FusedPlan,
+           scale: float) -> torch.Tensor:
+    """Attention of the flat queries ``q`` ([T, q_heads, D]; ``k``, ``v``: the new tokens' K/V,
+    already written to the pool).  Returns [T, q_heads * D]."""
+    t, heads, dim = q.shape
+    kv_heads = pool.num_kv_heads
+    rep = heads // kv_heads
+    if len(plan.groups) > 1:
+        out = q.new_empty(t, heads * dim)
+    for g in plan.groups:
+        if g.kind == "fresh":  # [S, heads, n_max, D] over [S, kv_heads, n_max, D], as transformers does
+            o = F.scaled_dot_product_attention(q[g.rows].transpose(1, 2), k[g.rows].transpose(1, 2),
+                                               v[g.rows].transpose(1, 2), is_causal=True, scale=scale,
+                                               enable_gqa=True)
+            o = o.transpose(1, 2).reshape(-1, heads * dim)
+        else:
+            kg = pool.k_slots[layer][g.kv_slots].transpose(1, 2)  # [S, kv_heads, c_max, D]
+            vg = pool.v_slots[layer][g.kv_slots].transpose(1, 2)
+            if g.kind == "decode":  # [S, kv_heads, rep, D]: the rep query heads of a KV head as rows
+                qg = (q if g.rows == slice(0, t) else q[g.rows]).view(-1, kv_heads, rep, dim)
+            else:  # [S, n_max, heads, D] -> [S, kv_heads, rep * n_max, D]
+                qg = q[g.rows].view(-1, g.n_max, kv_heads, rep, dim).permute(0, 2, 3, 1, 4).reshape(
+                    -1, kv_heads, rep * g.n_max, dim)
+            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale)
+            if g.kind == "decode":
+                o = o.view(-1, heads * dim)
+            else:
+                o = o.view(-1, kv_heads, rep, g.n_max, dim).permute(0, 3, 1, 2, 4).reshape(-1, heads * dim)
+        if g.keep is not None:
+            o = o[g.keep]
+        if len(plan.groups) == 1:
+            return o
+        if isinstance(g.dest, slice):
+            out[g.dest] = o
+        else:
+            out.index_copy_(0, g.dest, o)
+    return out
+
+
+@torch.inference_mode()
+def fused_forward(model, input_ids: torch.Tensor, pool, plan: FusedPlan) -> torch.Tensor:
+    """Hidden states [T, hidden] of the flat batch (``LlamaModel.forward``'s contract)."""
+    s = model.shape
+    x = F.embedding(input_ids, model.embed)
+    t, dim, norm = input_ids.shape[0], s.head_dim, (s.hidden_size,)
+    split = [s.num_heads, s.num_kv_heads, s.num_kv_heads]
+    for i, L in enumerate(model.layers):
+        h = F.rms_norm(x, norm, L.input_norm, s.rms_eps)
+        qkv = F.linear(h, L.qkv, L.qkv_bias).view(t, -1, dim)
+        qkv = (qkv * plan.cos).add_(qkv.roll(dim // 2, -1) * plan.sin)  # RoPE on q and k (no FMA: exact)
+        q, k, v = qkv.split(split, dim=1)
+        pool.k_slots[i].index_copy_(0, plan.slots, k)
+        pool.v_slots[i].index_copy_(0, plan.slots, v)
+        x = _residual(x, attend(i, q, k, v, pool, plan, model.scale), L.o_proj, L.o_bias)
+        h = F.rms_norm(x, norm, L.post_norm, s.rms_eps)
+        gate, up = F.linear(h, L.gate_up, L.gate_up_bias).chunk(2, dim=-1)
+        x = _residual(x, F.silu(gate).mul_(up), L.down, L.down_bias)
+    return F.rms_norm(x, norm, model.norm, s.rms_eps)
+
+
+def _residual(x: torch.Tensor, a: torch.Tensor, weight, bias) -> torch.Tensor:
+    """``x + linear(a)``, added in place (``x`` is this forward's own residual stream).  Not one
+    ``addmm``: BLAS accumulating onto ``x`` rounds differently from transformers (2e-4 on SmolLM2)."""
+    return x.add_(F.linear(a, weight, bias))

@@ -1,0 +1,183 @@
+"""The fused attention backend computes what the reference computes (issue 11, section 3).
+
+Two engines with the same weights, one per backend, are driven through the same schedule:
+prefills, decodes, a prefix-hit prefill and a step that mixes a prefill with decodes.  Every
+step's logits must agree to 1e-4 of the largest absolute logit (fp32), and greedy tokens must be
+identical.  The same runs on CUDA when a GPU is present.  Speed is not measured here; the work
+is counted instead: aten ops dispatched per decode step (``torch.profiler``, CPU).
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from minikv import LLM
+from minikv.engine import SamplingParams
+from minikv.engine.attention_backends import ATTENTION_BACKENDS, BACKENDS, resolve_backend
+from minikv.engine.model_runner import FORWARDS
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+TOL = 1e-4  # of the largest absolute logit
+
+
+def _engines(device, dtype="float32"):
+    ref = LLM("tiny-random", device=device, dtype=dtype, attention_backend="reference",
+              enable_prefix_caching=True, num_blocks=128)
+    fused = ref.fork(attention_backend="fused")
+    return ref.engine, fused.engine
+
+
+def _drive(engine, prompts, late_prompt, max_tokens=6):
+    """Two requests, a few decode steps, then a third request joins (a mixed step), then the first
+    two prompts come back (prefix hits).  Returns the per-step logits and the tokens."""
+    engine.logit_trace = []
+    p = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"a{i}", prompt, p)
+    engine.step()  # prefill of both
+    kinds = {"prefill"}
+    engine.step()  # decode only
+    kinds.add("decode")
+    engine.add_request("late", late_prompt, p)
+    engine.step()  # the late prefill + two decodes in one step
+    kinds.add("mixed")
+    tokens = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.outputs[0].token_ids
+    cached = []
+    for i, prompt in enumerate(prompts):  # the same prompts again: their full blocks are cached
+        engine.add_request(f"b{i}", prompt, p)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                tokens[out.request_id] = out.outputs[0].token_ids
+                cached.append(out.num_cached_tokens)
+    return engine.logit_trace, tokens, cached, kinds
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_matches_reference_on_every_kind_of_step(device):
+    ref, fused = _engines(device)
+    rng = random.Random(1)
+    vocab = ref.model.shape.vocab_size
+    prefix = [rng.randrange(3, vocab) for _ in range(40)]
+    prompts = [prefix + [rng.randrange(3, vocab) for _ in range(n)] for n in (5, 23)]
+    late = [rng.randrange(3, vocab) for _ in range(37)]
+    trace_r, tokens_r, cached_r, kinds = _drive(ref, prompts, late)
+    trace_f, tokens_f, cached_f, _ = _drive(fused, prompts, late)
+    assert kinds == {"prefill", "decode", "mixed"}
+    assert cached_r == cached_f and min(cached_r) >= 32, cached_r  # the prefix-hit branch ran
+    assert tokens_r == tokens_f and len(tokens_r) == 5
+    assert [sorted(s) for s in trace_r] == [sorted(s) for s in trace_f]
+    for step_r, step_f in zip(trace_r, trace_f):
+        for rid, row in step_r.items():
+            diff = (row - step_f[rid]).abs().max().item()
+            assert diff <= TOL * row.abs().max().item(), (rid, diff)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_score_matches_reference_at_every_position(device):
+    ref, fused = _engines(device)
+    ids = [random.Random(2).randrange(3, 259) for _ in range(70)]
+    a, b = ref.score(ids), fused.score(ids)
+    assert a.shape == b.shape == (70, ref.model.shape.vocab_size)
+    assert (a - b).abs().max().item() <= TOL * a.abs().max().item()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fused_bf16_on_cuda_stays_close_to_reference():
+    """bf16: the two paths round differently; they must still agree to 2% of the largest logit."""
+    ref, fused = _engines("cuda", "bfloat16")
+    ids = [random.Random(3).randrange(3, 259) for _ in range(50)]
+    a, b = ref.score(ids), fused.score(ids)
+    assert (a - b).abs().max().item() <= 0.02 * a.abs().max().item()
+
+
+def test_backend_registry_names_agree_and_auto_never_means_a_compiler():
+    assert set(BACKENDS) == set(FORWARDS) and ATTENTION_BACKENDS == (*BACKENDS, "auto")
+    assert resolve_backend("auto", "cpu") in BACKENDS and resolve_backend("reference", "cpu") == "reference"
+    with pytest.raises(ValueError, match="attention_backend='flex'"):
+        resolve_backend("flex", "cpu")
+    with pytest.raises(ValueError, match="attention_backend"):
+        LLM("tiny-random", device="cpu", attention_backend="flex")
+
+
+def test_an_installed_seam_runs_the_reference_gather():
+    """The KV-read observer is a hook into the reference gather: with one installed, a fused
+    engine must still call it (lesson 05 relies on it)."""
+    import warnings
+
+    _, fused = _engines("cpu")
+    seen = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fused.set_kv_read_observer(lambda layer, tables, lens, k, v: seen.append(layer))
+    fused.add_request("x", [5, 6, 7, 8], SamplingParams(max_tokens=3, temperature=0.0))
+    while fused.has_unfinished_requests():
+        fused.step()
+    assert seen and set(seen) == set(range(fused.model.shape.num_layers))
+
+
+def decode_step_ops(engine, batch=16, seed=0) -> dict[str, int]:
+    """Aten ops dispatched from Python (top-level, nested ones not counted) in one decode step of
+    ``batch`` sequences; what the benchmark prints for SmolLM2.  Returns counts by op name."""
+    rng = random.Random(seed)
+    vocab = engine.model.shape.vocab_size
+    p = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"ops{i}", [rng.randrange(3, vocab) for _ in range(rng.randint(20, 60))], p)
+    while engine.scheduler.waiting or any(s.num_computed_tokens == 0 for s in engine.scheduler.running):
+        engine.step()
+    engine.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        engine.step()
+    counts: dict[str, int] = {}
+    for e in prof.events():
+        parent = e.cpu_parent
+        if e.name.startswith("aten::") and (parent is None or not parent.name.startswith("aten::")):
+            counts[e.name] = counts.get(e.name, 0) + 1
+    while engine.has_unfinished_requests():
+        engine.step()
+    return counts
+
+
+def _with_layers(engine, n: int, backend: str):
+    """An engine on the first ``n`` layers of ``engine``'s model (same weights, no copy)."""
+    import dataclasses
+
+    from minikv.engine.engine import LLMEngine
+    from minikv.engine.model import LlamaModel
+
+    m = engine.model
+    cut = LlamaModel(dataclasses.replace(m.shape, num_layers=n), m.embed, m.layers[:n], m.norm, m.lm_head,
+                     m.inv_freq, m.rope_scale)
+    cfg = dataclasses.replace(engine.config, attention_backend=backend, device="cpu", dtype=m.dtype)
+    return LLMEngine(cfg, weights=(cut, engine.tokenizer, engine.hf_config))
+
+
+def test_fused_decode_step_costs_fewer_ops_per_layer_and_no_casts():
+    """The cost of one more layer in a decode step of 16: counted, by op name, as the difference
+    between a 2-layer and a 1-layer model.  Fused: one SDPA, two rms_norms, four linears, no
+    cast, at most 26 ops (SmolLM2's 30 layers then cost at most 780); the reference pays more."""
+    ref, _ = _engines("cpu")
+    per_layer = {}
+    for backend in ("reference", "fused"):
+        one, two = (decode_step_ops(_with_layers(ref, n, backend)) for n in (1, 2))
+        per_layer[backend] = {k: two.get(k, 0) - one.get(k, 0) for k in set(one) | set(two)}
+    f, r = per_layer["fused"], per_layer["reference"]
+    assert {k: f.get(k, 0) for k in ("aten::scaled_dot_product_attention", "aten::rms_norm", "aten::linear")} == {
+        "aten::scaled_dot_product_attention": 1, "aten::rms_norm": 2, "aten::linear": 4}
+    assert f.get("aten::to", 0) == f.get("aten::_to_copy", 0) == 0, f  # no per-layer dtype casts
+    assert r.get("aten::to", 0) >= 4  # the reference's casts, for contrast
+    assert all(v >= 0 for v in f.values()), f
+    assert sum(f.values()) <= 26 and sum(f.values()) < 0.6 * sum(r.values()), (sum(f.values()), sum(r.values()))
+
+
+def test_batched_sampling_calls_no_item_per_row():
+    _, fused = _engines("cpu")
+    assert decode_step_ops(fused).get("aten::item", 0) == 0

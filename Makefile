@@ -1,6 +1,7 @@
 # minikv: every target sets up what it needs (.venv, packages, model) on its own.
 #   make course   open the course in JupyterLab on 127.0.0.1
 #   make test     the whole test suite: pytest over tests/, nbval over course/*.ipynb
+#   make test-thorough  the engine property tests at 10,000 examples (~15 min; not in make test)
 #   make grade    grade your exercises/ (DIR=folder: grade every student's subfolder into a gradebook)
 #   make hint EX=2a   the next hint for one exercise (levels 1, 2, 3 on repeat calls)
 #   make bench    run the benchmarks
@@ -19,7 +20,7 @@ MODEL := smollm2-135m-instruct
 NOTEBOOKS := $(wildcard course/*.ipynb)
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
-.PHONY: setup upgrade-deps model chromium course test test-py test-nb grade hint bench clean vllm vllm-start vllm-stop gu-data
+.PHONY: setup upgrade-deps model chromium course test test-py test-nb test-thorough grade hint bench clean vllm vllm-start vllm-stop gu-data
 
 setup:
 	@$(PYTHON) scripts/bootstrap.py
@@ -60,6 +61,10 @@ vllm-stop:
 
 test-py: model chromium
 	$(PYTEST) tests $(PYTEST_ARGS)
+
+# The engine property tests' thorough profile (tests/test_engine_properties.py): prints the count.
+test-thorough: model
+	MINIKV_THOROUGH=1 $(PYTEST) -s tests/test_engine_properties.py $(PYTEST_ARGS)
 
 test-nb: model
 ifeq ($(strip $(NOTEBOOKS)),)

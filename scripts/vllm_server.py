@@ -8,7 +8,8 @@
 ``make test`` starts it once before pytest and nbval and stops it afterwards, so the tests and
 lesson 11 share one warm server (start-up takes one to a few minutes on 2 cores). Whoever needs
 the server reads ``out/vllm/server.json`` (``{"base_url", "pid", "model", "block_size"}``) or
-``$MINIKV_VLLM_URL``.
+``$MINIKV_VLLM_URL``.  A server on another ``--port`` keeps files of its own (``server-<port>.json``,
+``vllm-<port>.pid``), so ``stop --port P`` only ever stops that one.
 
 What the server runs, and why each flag:
 
@@ -45,11 +46,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 VENV_PY = ROOT / ".venv-vllm" / "bin" / "python"
 STATE_DIR = ROOT / "out" / "vllm"
-STATE = STATE_DIR / "server.json"
-PID_FILE = STATE_DIR / "vllm.pid"
-LOG = STATE_DIR / "vllm.log"
 MODEL = "smollm2-135m-instruct"
 CPU_BLOCK_SIZE = 128
+DEFAULT_PORT = 8017
+
+
+def files(port: int) -> tuple[Path, Path, Path]:
+    """(state, PID file, log) of the server on ``port``: ``server.json``, ``vllm.pid`` and ``vllm.log``
+    for the default port (the one the tests and lesson 11 read), ``*-<port>`` for any other, so a
+    second server (a benchmark's, say) never overwrites or stops the first."""
+    tag = "" if port == DEFAULT_PORT else f"-{port}"
+    return STATE_DIR / f"server{tag}.json", STATE_DIR / f"vllm{tag}.pid", STATE_DIR / f"vllm{tag}.log"
 
 
 def say(msg: str) -> None:
@@ -82,16 +89,17 @@ def alive(pid: int) -> bool:
         return False
 
 
-def read_state() -> dict | None:
+def read_state(port: int) -> dict | None:
     try:
-        state = json.loads(STATE.read_text())
+        state = json.loads(files(port)[0].read_text())
     except (OSError, ValueError):
         return None
     return state if alive(int(state.get("pid", 0))) else None
 
 
 def start(args: argparse.Namespace) -> int:
-    state = read_state()
+    state_file, pid_file, log_file = files(args.port)
+    state = read_state(args.port)
     if state and healthy(state["base_url"].removesuffix("/v1")):
         say(f"already running: {state['base_url']} (pid {state['pid']})")
         return 0
@@ -109,26 +117,26 @@ def start(args: argparse.Namespace) -> int:
            "--served-model-name", args.model, "--dtype", "float32", "--enable-prompt-tokens-details",
            "--host", "127.0.0.1", "--port", str(args.port), "--max-model-len", str(args.max_model_len)]
     started = time.time()
-    with open(LOG, "wb") as log:
+    with open(log_file, "wb") as log:
         # A session of its own: the server forks engine workers, and stop() ends the whole
         # group by this one PID.
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                                 start_new_session=True)
-    PID_FILE.write_text(f"{proc.pid}\n")
+    pid_file.write_text(f"{proc.pid}\n")
     while time.time() - started < args.timeout:
         if proc.poll() is not None:
-            say(f"vLLM exited with status {proc.returncode} during start-up; last lines of {LOG}:")
-            print("\n".join(LOG.read_text(errors="replace").splitlines()[-30:]))
-            PID_FILE.unlink(missing_ok=True)
+            say(f"vLLM exited with status {proc.returncode} during start-up; last lines of {log_file}:")
+            print("\n".join(log_file.read_text(errors="replace").splitlines()[-30:]))
+            pid_file.unlink(missing_ok=True)
             return 1
         if healthy(base):
             took = time.time() - started
-            STATE.write_text(json.dumps({"base_url": f"{base}/v1", "pid": proc.pid, "model": args.model,
+            state_file.write_text(json.dumps({"base_url": f"{base}/v1", "pid": proc.pid, "model": args.model,
                                          "block_size": CPU_BLOCK_SIZE, "startup_s": round(took, 1)}))
-            say(f"up at {base}/v1 in {took:.0f} s (pid {proc.pid}, log {LOG})")
+            say(f"up at {base}/v1 in {took:.0f} s (pid {proc.pid}, log {log_file})")
             return 0
         time.sleep(1.0)
-    say(f"no /health after {args.timeout:.0f} s; stopping it (log: {LOG})")
+    say(f"no /health after {args.timeout:.0f} s; stopping it (log: {log_file})")
     stop_pid(proc.pid)
     return 1
 
@@ -152,21 +160,22 @@ def stop_pid(pid: int, grace: float = 30.0) -> None:
 
 
 def stop(args: argparse.Namespace) -> int:
+    state_file, pid_file, _ = files(args.port)
     try:
-        pid = int(PID_FILE.read_text().strip())
+        pid = int(pid_file.read_text().strip())
     except (OSError, ValueError):
         say("not running (no PID file)")
         return 0
     if alive(pid):
         stop_pid(pid)
         say(f"stopped pid {pid}")
-    PID_FILE.unlink(missing_ok=True)
-    STATE.unlink(missing_ok=True)
+    pid_file.unlink(missing_ok=True)
+    state_file.unlink(missing_ok=True)
     return 0
 
 
 def status(args: argparse.Namespace) -> int:
-    state = read_state()
+    state = read_state(args.port)
     if state and healthy(state["base_url"].removesuffix("/v1")):
         print(state["base_url"])
         return 0
@@ -177,7 +186,7 @@ def status(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Start/stop the project's vLLM server (see module doc).")
     p.add_argument("command", choices=("start", "stop", "status"))
-    p.add_argument("--port", type=int, default=int(os.environ.get("MINIKV_VLLM_PORT", "8017")))
+    p.add_argument("--port", type=int, default=int(os.environ.get("MINIKV_VLLM_PORT", DEFAULT_PORT)))
     p.add_argument("--model", default=MODEL)
     p.add_argument("--kv-gib", type=int, default=int(os.environ.get("MINIKV_VLLM_KV_GIB", "2")))
     p.add_argument("--max-model-len", type=int, default=4096)

@@ -14,24 +14,27 @@ same way but *without* constraints, so pip picks the newest releases, and freeze
 The one delicate dependency is torch. ``pip install torch`` on Linux x86-64 fetches
 the CUDA build from PyPI (several GB of nvidia-* wheels), which a CPU-only machine
 can never use. So torch is installed *first*, deliberately, and only then the
-package (whose ``torch>=2.2`` is then already satisfied):
+package (whose ``torch>=2.5`` is then already satisfied):
 
 1. If ``python3`` already imports torch (typical on GPU boxes with a CUDA build), the
    venv is created with ``--system-site-packages`` and keeps using it. Force this
-   with ``MINIKV_TORCH=system``.
+   with ``MINIKV_TORCH=system``; ``MINIKV_TORCH=pip`` never reuses it.  A system torch
+   older than pyproject's floor (``torch>=2.5``: ``scaled_dot_product_attention``'s
+   ``enable_gqa``) is refused, with the fix, before anything is created: otherwise the
+   install succeeds and the first forward pass fails.
 2. Otherwise we ask pip -- without downloading -- which torch it *would* pick. If that
    is a CUDA build but the machine has no NVIDIA driver, we install from the CPU
    index instead (``MINIKV_TORCH_INDEX``, default the PyTorch CPU wheel index).
    Machines whose pip already offers a ``+cpu`` wheel (via find-links) use it as is.
 
 torch's version is the ``torch==`` pin in ``constraints.txt``, unless
-``MINIKV_TORCH_SPEC`` says otherwise; the other packages are constrained without that line,
+``MINIKV_TORCH_SPEC`` says otherwise (it too must meet the floor); the other packages are constrained without that line,
 so a system torch or another torch spec never makes pip swap torch.
 ``--upgrade-deps`` keeps torch at its pin too: ``MINIKV_TORCH_SPEC=torch make upgrade-deps``
 moves it to the newest release.
 
 Environment knobs: ``PYTHON`` (interpreter for the venv), ``MINIKV_TORCH``
-(``auto`` | ``system``), ``MINIKV_TORCH_SPEC`` (default: the pin in ``constraints.txt``),
+(``auto`` | ``system`` | ``pip``), ``MINIKV_TORCH_SPEC`` (default: the pin in ``constraints.txt``),
 ``MINIKV_TORCH_INDEX``.
 """
 from __future__ import annotations
@@ -40,11 +43,13 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,11 +107,43 @@ def torch_pin() -> str:
     return pins[0] if pins else "torch"
 
 
+def version_tuple(version: str) -> tuple[int, ...]:
+    """``"2.4.1+cu121"`` -> ``(2, 4, 1)``."""
+    return tuple(int(x) for x in re.match(r"\d+(?:\.\d+)*", version.strip()).group().split("."))
+
+
+def torch_floor() -> str:
+    """The lowest torch pyproject.toml accepts (its ``torch>=X`` dependency): one source of truth."""
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    return next(re.split(r"\s*>=\s*", d)[1] for d in deps if re.match(r"torch\s*>=", d))
+
+
+def torch_version(python: str | Path) -> str | None:
+    probe = subprocess.run([str(python), "-c", "import torch; print(torch.__version__)"],
+                           capture_output=True, text=True)
+    return probe.stdout.strip() if probe.returncode == 0 else None
+
+
+def check_torch(python: str | Path, where: str) -> None:
+    """Exit with the fix if ``python`` imports a torch older than the floor."""
+    found, floor = torch_version(python), torch_floor()
+    if found is None or version_tuple(found) >= version_tuple(floor):
+        return
+    sys.exit(f"[setup] {where} has torch {found}, but minikv needs torch>={floor} "
+             "(scaled_dot_product_attention's enable_gqa).\n"
+             f"[setup] fix: upgrade it -- {python} -m pip install --upgrade 'torch>={floor}' "
+             "(for a CUDA build, use the command from https://pytorch.org/get-started/locally/) -- "
+             "or give .venv its own torch: rm -rf .venv && MINIKV_TORCH=pip make setup")
+
+
 def create_venv(base: str, venv: Path, system_torch: bool = True) -> Path:
     mode = os.environ.get("MINIKV_TORCH", "auto")
+    if mode not in ("auto", "system", "pip"):
+        sys.exit(f"[setup] MINIKV_TORCH={mode!r}: expected auto, system or pip")
     system = system_torch and (mode == "system" or (mode == "auto" and imports_torch(base)))
     flags = ["--system-site-packages"] if system else []
     if system:
+        check_torch(base, f"the base python ({base})")
         say("the base python already has torch: the venv will see it "
             "(--system-site-packages)")
     try:
@@ -164,6 +201,7 @@ def main() -> None:
         say("torch already importable in .venv")
     else:   # --no-deps: torch's own dependencies come with the pins below
         run(str(PY), "-m", "pip", "install", "--no-deps", *torch_install_args(PY))
+    check_torch(PY, ".venv")  # an older .venv, or a MINIKV_TORCH_SPEC below the floor
     # The pins without torch's: torch is whatever the step above left (pin, spec or system).
     pins = [ln for ln in CONSTRAINTS.read_text().splitlines() if not is_torch(ln)]
     with tempfile.TemporaryDirectory() as tmp:

@@ -80,11 +80,12 @@ def test_stub_fails_as_not_implemented(ex_id, stub_package, capsys):
     assert "Hint:" in out
 
 
-MUTANT_CASES = [(ex_id, name) for ex_id in IDS for name, _, _ in M.MUTANTS[ex_id]]
+MUTANT_CASES = [(ex_id, name) for ex_id in IDS for name, _, _ in M.MUTANTS.get(ex_id, [])]
+DEFENSE_IDS = [e.id for e in GRADED if e.module.startswith("ex")]  # the five defense topics (lessons 07-08)
 
 
 def test_every_exercise_has_at_least_three_diagnosed_mutants():
-    assert set(M.MUTANTS) == set(IDS)
+    assert set(DEFENSE_IDS) <= set(M.MUTANTS) <= set(IDS)
     for ex_id, cases in M.MUTANTS.items():
         assert len(cases) >= 3, ex_id
         assert all(doc and doc.strip() for _, _, doc in cases), ex_id
@@ -312,3 +313,17 @@ def test_stubs_and_first_hints_hand_out_no_solution():
             assert not any(line in level for line in lines), (ex_id, level)
             assert "\n    " not in level, f"hint {ex_id} shows code before its last level"
         assert "\n" in levels[2] or "    " in levels[2], f"hint {ex_id} level 3 should sketch code"
+
+
+def test_every_topic_takes_at_least_ten_lines_of_the_learners_own_logic():
+    """Issue 10: each of the five topics is a task, not a blank -- counted on the reference solution's
+    regions: code lines only (no blank lines, comments or docstrings)."""
+    for path in sorted(SOLUTIONS.glob("ex[1-5]_*.py")):
+        inside, n = False, 0
+        for line in path.read_text(encoding="utf-8").splitlines():
+            stripped = line.strip()
+            if stripped in ("# BEGIN SOLUTION", "# END SOLUTION"):
+                inside = stripped == "# BEGIN SOLUTION"
+            elif inside and stripped and not stripped.startswith("#") and stripped != "pass":
+                n += 1
+        assert n >= 10, f"{path.name}: only {n} lines of the learner's own logic"

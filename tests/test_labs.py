@@ -78,7 +78,7 @@ def test_forbidden_imports_are_refused(tmp_path, monkeypatch, capsys):
     assert forbidden_imports(cheat_lab.extract_secret) == ["minikv.attacks.prefix_oracle",
                                                            "solutions.lab1_prefix_oracle"]
     ok, out = run(labs_oracle.check_oracle_attack, cheat_lab.extract_secret, capsys, seed=1)
-    assert not ok and "which the labs forbid" in out
+    assert not ok and "which the grader forbids" in out and "reference oracle attack" in out
 
 
 def test_notebook_functions_are_refused_with_a_reason(capsys):

@@ -45,6 +45,20 @@ def forbidden_imports(fn, rules: dict[str, str] = LAB_RULES) -> list[str]:
     return sorted({module for _, module, _ in guard.forbidden_imports(source, rules=rules)})
 
 
+def refuse(fn, rules: dict[str, str] = LAB_RULES) -> str | None:
+    """Why ``fn`` cannot be graded (defined in a notebook, or its file imports a forbidden
+    module), or None.  The graders turn a reason into a failed check."""
+    try:
+        target_name(fn)
+    except ValueError as exc:
+        return str(exc)
+    bad = forbidden_imports(fn, rules)
+    if bad:
+        return (f"your file imports {', '.join(bad)}, which the grader forbids: "
+                + "; ".join(sorted({rules[next(r for r in rules if b == r or b.startswith(r + '.'))] for b in bad})))
+    return None
+
+
 def target_name(fn) -> str:
     """``module:qualname`` of a learner function, which a fresh interpreter can import."""
     mod, qual = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")

@@ -14,7 +14,7 @@ The grade passes when everything is found and nothing is a false alarm.
 from __future__ import annotations
 
 from . import guard
-from ._lab import HiddenServer, forbidden_imports, run_sealed
+from ._lab import HiddenServer, refuse, run_sealed
 from ._report import expect, grader
 from .mystery_fleet import KINDS
 
@@ -46,10 +46,9 @@ def compare(findings: list[dict], key: list[dict], nodes: list[str]) -> tuple[li
 
 def run_capstone(audit_fleet, seed: int | None = None, timeout: float = 300.0):
     """(findings, fleet card, answer key, seconds) of one sealed audit of a fresh fleet."""
-    bad = forbidden_imports(audit_fleet, CAPSTONE_RULES)
-    expect(not bad, f"your file imports {', '.join(bad)}, which the capstone forbids",
-           "audit with the public tools (minikv audit ..., minikv.audit.isolation_server, "
-           "minikv.attacks.collisions) and HTTP only")
+    why = refuse(audit_fleet, CAPSTONE_RULES)
+    expect(why is None, str(why), "audit with the public tools (minikv audit ..., minikv.audit.isolation_server, "
+           "minikv.attacks.collisions) and HTTP only, in exercises/capstone_audit.py")
     with HiddenServer("minikv.grading.mystery_fleet", *(["--seed", str(seed)] if seed is not None else [])) as fleet:
         try:
             findings, took = run_sealed(audit_fleet, [fleet.info], timeout)

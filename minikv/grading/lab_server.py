@@ -92,7 +92,7 @@ def build_app(mode: str, clock: str, seed: int):
     app = create_app(llm, {ATTACKER_KEY: "mallory"}, model_name="tiny", report_cached_tokens=True, limits=limits)
     vclock = VirtualClock(seed=seed + 1)
     victim = PREFIX + secret + SUFFIX
-    state = {"requests": 0, "self_primed": 0, "max_victim_cached": 0}
+    state = {"requests": 0, "self_primed": 0, "max_victim_cached": 0, "ends_on_block": 0}
 
     def victim_cached(text: str) -> int:
         """What the victim's entries alone can give ``text`` (byte tokens: one per character)."""
@@ -123,6 +123,7 @@ def build_app(mode: str, clock: str, seed: int):
             cached = u["prompt_tokens_details"]["cached_tokens"]
             # a hit beyond what the victim's blocks explain came from the attacker's own entries
             state["self_primed"] += cached > victim_cached(text)
+            state["ends_on_block"] += len(text) % BLOCK_SIZE == 0  # its last block can never be a hit
             state["max_victim_cached"] = max(state["max_victim_cached"], min(cached, victim_cached(text)))
         if mode == "ttft" and response.status_code == 200:
             del u["prompt_tokens_details"]
@@ -139,7 +140,8 @@ def build_app(mode: str, clock: str, seed: int):
     known = len(PREFIX) // BLOCK_SIZE * BLOCK_SIZE
     return app, card, (lambda: {"secret": secret, "requests": state["requests"], "known_cached": known,
                                 "self_primed": state["self_primed"],
-                                "max_victim_cached": state["max_victim_cached"]})
+                                "max_victim_cached": state["max_victim_cached"],
+                                "ends_on_block": state["ends_on_block"]})
 
 
 def main(argv: list[str] | None = None) -> int:

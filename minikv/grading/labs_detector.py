@@ -19,7 +19,6 @@ tenants than it does.
 """
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 import warnings
@@ -27,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._lab import FORBIDDEN, forbidden_imports, run_sealed
+from ._lab import refuse, run_sealed
 from ._report import expect, grader
 
 BS = 4
@@ -115,9 +114,8 @@ def score(flags, roles: dict[str, str]) -> tuple[int, int, int, int]:
 @grader("group each tenant's requests by shared prefix, then keep only distinct, near-equal-length "
         "requests that end within one block after it; see the lab's docstring")
 def check_detector(detect_probing, *, seeds=None, timeout: float = 120.0) -> str:
-    bad = forbidden_imports(detect_probing)
-    expect(not bad, f"your file imports {', '.join(bad)}, which the labs forbid",
-           f"those modules hold the reference answers ({', '.join(FORBIDDEN)}); write the detector yourself")
+    why = refuse(detect_probing)
+    expect(why is None, str(why), "write the detector in its exercises/ file, on the records alone")
     seeds = list(seeds) if seeds is not None else [int.from_bytes(os.urandom(4), "big") for _ in range(2)]
     lines = []
     for seed in seeds:
@@ -138,7 +136,7 @@ def check_detector(detect_probing, *, seeds=None, timeout: float = 120.0) -> str
                f"{ref[0]}", "an attacker's probes share a prefix and differ only in the block after it"
                + (f" ({missed} missed)" if missed else ""))
         expect(got[2] <= ref[2], f"trail {seed}: flagged {got[2]} benign tenants ({', '.join(wrongly)}), the "
-               f"reference flags {ref[2]}", _WHY.get(wrongly[0] if wrongly else "", "") or
+               f"reference flags {ref[2]}", next((_WHY[k] for k in _WHY if k in wrongly), "") or
                "a group of requests is an enumeration only if its members are distinct and end one block "
                "after the shared prefix")
         lines.append(f"{got[0]}/{got[1]} attackers, {got[2]}/{got[3]} false positives "
@@ -146,17 +144,12 @@ def check_detector(detect_probing, *, seeds=None, timeout: float = 120.0) -> str
     return "; ".join(lines)
 
 
-_WHY = {
-    "benign:retry": "a retry loop re-sends ONE prompt: count distinct tails (tail_fp), not requests",
+_WHY = {  # most telling first: the hint for the first kind of benign tenant that was flagged
     "benign:popular": "many tenants share a system prompt: group per tenant, never across tenants",
-    "benign:chat": "a growing conversation shares its prefix but keeps getting longer: an enumeration's "
-                   "requests end within one block after the shared prefix",
+    "benign:retry": "a retry loop re-sends ONE prompt: count distinct tails (tail_fp), not requests",
     "benign:faq": "questions after a system prompt differ over many blocks and vary in length: require "
                   "the group to end within one block after the shared prefix",
+    "benign:chat": "a growing conversation shares its prefix but keeps getting longer: an enumeration's "
+                   "requests end within one block after the shared prefix",
 }
 
-
-def demo_records(seed: int = 0) -> tuple[list[dict], dict[str, str]]:
-    """The lesson's trail (fixed seed), as JSON-clean records."""
-    records, roles = mixed_trail(seed)
-    return json.loads(json.dumps(records)), roles

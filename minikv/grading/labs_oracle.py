@@ -18,7 +18,7 @@ Scores are probes per recovered token, printed beside a baseline:
 """
 from __future__ import annotations
 
-from ._lab import FORBIDDEN, HiddenServer, forbidden_imports, run_sealed
+from ._lab import HiddenServer, refuse, run_sealed
 from ._report import expect, grader
 
 #: probes per token of solutions/lab2_timing.py on the lab's layout: 611 requests for 4 characters
@@ -42,10 +42,8 @@ def exhaustive_probes(card: dict) -> tuple[float, int]:
 
 def run_lab(fn, mode: str, timeout: float, seed: int | None = None) -> tuple[object, dict, dict, float]:
     """(learner's answer, lab card, server's answer key, seconds) of one sealed run."""
-    bad = forbidden_imports(fn)
-    expect(not bad, f"your file imports {', '.join(bad)}, which the labs forbid",
-           f"those modules hold the reference answers ({', '.join(FORBIDDEN)}); "
-           "write the attack with OracleClient alone")
+    why = refuse(fn)
+    expect(why is None, str(why), "write the attack in its exercises/ file with OracleClient alone")
     args = ["--mode", mode] + (["--seed", str(seed)] if seed is not None else [])
     with HiddenServer("minikv.grading.lab_server", *args) as srv:
         try:
@@ -73,6 +71,11 @@ def _verdict(guess, card: dict, key: dict, lab: str) -> None:
         return
     first = next(i for i in range(n) if guess[i] != secret[i])
     why = f"recovered {guess!r}, the secret was {secret!r} (first wrong character at position {first})"
+    if key["ends_on_block"] * 2 >= key["requests"] and key["max_victim_cached"] <= key["known_cached"]:
+        expect(False, why + f"; {key['ends_on_block']} of your {key['requests']} probes end exactly where "
+               "the block they test ends, and no probe ever hit a victim block past the known prefix",
+               "the server always computes the last prompt token: a probe must go on past the block "
+               "it tests (append one more character)")
     if key["self_primed"]:
         expect(False, why + f"; {key['self_primed']} of your {key['requests']} answers came from your own "
                "earlier probes (self-priming)",

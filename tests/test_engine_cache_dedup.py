@@ -136,3 +136,32 @@ def test_a_same_step_duplicate_is_freed_and_its_twin_adopted():
     repeat = Sequence("b2", list(b.prompt_token_ids), ONE)
     assert bm.allocate(repeat) and repeat.num_cached_tokens == 8
     assert bm.num_rejected_hits == 0
+
+
+def test_a_hasher_that_raises_mid_commit_leaves_consistent_books():
+    """The engine fails a sequence whose commit raises (step_guard); what commit did before
+    the error -- here, adopting a twin and freeing the copy -- is still announced, so scrub
+    hooks and the audit trail see the freed block, and the invariants hold."""
+    def hasher(parent, tokens, extra, key):
+        if tokens == (7, 7, 7, 7):
+            raise ValueError("learner's hasher failed")
+        return repr((parent, tokens, key)).encode()
+
+    events = []
+    bm = BlockManager(16, 4, hasher=hasher, enable_caching=True)
+    bm.listeners.append(lambda ev, ids, seq: events.append((str(ev), seq.request_id, list(ids))))
+    a = Sequence("a", [1, 2, 3, 4, 5], ONE)
+    b = Sequence("b", [1, 2, 3, 4, 7, 7, 7, 7, 9], ONE)
+    assert bm.allocate(a) and bm.allocate(b)
+    copy = b.block_table[0]
+    for s in (a, b):
+        s.num_computed_tokens = s.num_tokens
+    bm.commit(a)
+    with pytest.raises(ValueError, match="learner"):
+        bm.commit(b)
+    assert ("hit", "b", [a.block_table[0]]) in events and ("free", "b", [copy]) in events
+    bm.check_invariants([a, b])
+    bm.free(b)
+    bm.free(a)
+    bm.check_invariants([])
+    assert bm.num_available == 16

@@ -243,32 +243,37 @@ class BlockManager:
         if not (self.enable_caching and seq.cacheable):
             return
         stored, adopted, released = [], [], []
-        for i in range(start // bs, end // bs):
-            block = self.blocks[seq.block_table[i]]
-            if block.hash is not None:
-                continue  # a hit: registered already
-            h = self.block_hash(seq, i)
-            identity = self.identity(seq, i, self.blocks[seq.block_table[i - 1]].ref if i else None)
-            twin = self.blocks[self.hash_table[h]] if h in self.hash_table else None
-            if twin is None:
-                block.hash, block.identity = h, identity
-                block.public = seq.block_is_public(i, bs)
-                self.hash_table[h] = block.block_id
-                self._count_registered(block.writer_tenant, +1)
-                stored.append(block.block_id)
-            elif twin.identity == identity and block.ref_count == 1:  # never a verify_hits shortcut
-                self._hold(twin, seq)
-                seq.block_table[i] = twin.block_id
-                block.ref_count = 0  # unregistered, so held by this sequence alone
-                self.free_ids.append(block.block_id)
-                adopted.append(twin.block_id)
-                released.append(block.block_id)
-        self.num_deduplicated += len(released)
-        self.emit(Transition.HIT, adopted, seq)
-        self.emit(Transition.FREE, released, seq)
-        self.emit(Transition.STORE, stored, seq)
+        try:
+            for i in range(start // bs, end // bs):
+                if self.blocks[seq.block_table[i]].hash is None:  # else a hit: registered already
+                    self._store_or_adopt(seq, i, stored, adopted, released)
+        finally:  # a hasher that raises fails this sequence; what happened before is still announced
+            self.num_deduplicated += len(released)
+            self.emit(Transition.HIT, adopted, seq)
+            self.emit(Transition.FREE, released, seq)
+            self.emit(Transition.STORE, stored, seq)
         if stored:  # a tenant's cached count grows only here; free() re-checks when blocks idle
             self._enforce_quota(seq.tenant, seq)
+
+    def _store_or_adopt(self, seq: Sequence, i: int, stored: list, adopted: list, released: list) -> None:
+        """Register ``seq``'s newly full block ``i``, or swap it for its registered twin."""
+        block = self.blocks[seq.block_table[i]]
+        h = self.block_hash(seq, i)
+        identity = self.identity(seq, i, self.blocks[seq.block_table[i - 1]].ref if i else None)
+        twin = self.blocks[self.hash_table[h]] if h in self.hash_table else None
+        if twin is None:
+            block.hash, block.identity = h, identity
+            block.public = seq.block_is_public(i, self.block_size)
+            self.hash_table[h] = block.block_id
+            self._count_registered(block.writer_tenant, +1)
+            stored.append(block.block_id)
+        elif twin.identity == identity and block.ref_count == 1:  # strict, whatever verify_hits says
+            self._hold(twin, seq)
+            seq.block_table[i] = twin.block_id
+            block.ref_count = 0  # unregistered, so it was this sequence's alone
+            self.free_ids.append(block.block_id)
+            adopted.append(twin.block_id)
+            released.append(block.block_id)
 
     def evict_cached(self, tenant=ALL_TENANTS) -> int:
         """Evict every cached block (only ``tenant``'s, if given); return how many."""

@@ -18,12 +18,12 @@ rejects them); ``minikv.grading.make_exercises`` generates ``exercises/`` from `
 """
 from .hashing import check_chained_hash, check_encode_fields
 from .isolation import check_audit_verdict, check_isolation_audit
-from .scrubbing import check_scrub_placement, check_scrubber, check_zero_blocks
+from .scrubbing import check_scrub_placement, check_zero_blocks
 from .stats import check_ks_test, check_roc_auc
 from .tenant_keys import check_block_keys, check_tenant_key_derivation, check_tenant_keyed_hasher
 
 __all__ = [
     "check_encode_fields", "check_chained_hash", "check_tenant_key_derivation", "check_tenant_keyed_hasher",
-    "check_block_keys", "check_zero_blocks", "check_scrub_placement", "check_scrubber", "check_audit_verdict", "check_isolation_audit",
+    "check_block_keys", "check_zero_blocks", "check_scrub_placement", "check_audit_verdict", "check_isolation_audit",
     "check_ks_test", "check_roc_auc",
 ]

@@ -20,7 +20,6 @@ import functools
 
 import torch
 
-from ..engine.kv_pool import KVPool
 from ..engine.lifecycle import Transition
 from ..engine.sampling import SamplingParams
 from ..engine.sequence import Sequence, SequenceStatus
@@ -45,14 +44,6 @@ class FakePool:
         self.num_layers, self.num_blocks, self.block_size = LAYERS, BLOCKS, BLOCK_SIZE
         self.num_kv_heads, self.head_dim = HEADS, DIM
         self.dtype, self.device = self.k_cache.dtype, self.k_cache.device
-
-
-def _random_pool(seed: int = 0) -> KVPool:
-    pool = KVPool(LAYERS, BLOCKS, BLOCK_SIZE, HEADS, DIM, torch.float32, "cpu")
-    g = torch.Generator().manual_seed(seed)
-    pool.k_cache.copy_(torch.rand(pool.k_cache.shape, generator=g) + 0.5)
-    pool.v_cache.copy_(torch.rand(pool.v_cache.shape, generator=g) + 0.5)
-    return pool
 
 
 def _diff_report(pool, before_k, before_v, ids: list[int], call: str, must_zero: bool = True) -> None:
@@ -289,59 +280,3 @@ def check_scrub_placement(scrub_action) -> str:
     cached, steps = engine_stage_placement(scrub_action)
     return (f"right on every path ({', '.join(PATHS)}): no request ever received old K/V; {sum(cached)} same-tenant "
             f"cached tokens kept over {steps} steps, outputs equal to a cache-off engine")
-
-
-# ---------------------------------------------------------------- the old 3b (kept for lesson 08 until it moves)
-@single_thread()
-def engine_stage(scrubber_cls) -> tuple[list[int], int]:
-    """Run ``scrubber_cls()`` inside an engine that reuses blocks all the time; raise
-    :class:`CheckFailed` if a new request ever receives a dirty block or any output differs from
-    minikv's ``scrub="on_alloc"``.  Returns (cached tokens per request, engine steps)."""
-    llm = tiny_llm(enable_prefix_caching=True, num_blocks=NUM_BLOCKS, scrubber=scrubber_cls())
-    eng = llm.engine
-    dirty: list[str] = []
-
-    def on_event(event, ids, seq):  # runs right after the engine's scrub hook
-        if event == "allocate":
-            idx = torch.tensor(ids)
-            for name, cache in (("K", eng.pool.k_cache), ("V", eng.pool.v_cache)):
-                for bid, blk in zip(ids, cache[:, idx].transpose(0, 1)):
-                    if blk.abs().sum() > 0:
-                        layers = [i for i in range(blk.shape[0]) if blk[i].abs().sum() > 0]
-                        dirty.append(f"block {bid} ({name}, layers {layers}) to request of tenant {seq.tenant!r}")
-
-    eng.block_manager.listeners.append(on_event)
-    trace, cached = _workload(llm)
-    expect(not dirty, f"the engine handed {len(dirty)} block(s) still holding old data to new requests, e.g. "
-           f"{dirty[0] if dirty else ''}",
-           "zero every block passed to on_alloc, all layers, K and V, right away (not later, not only the first "
-           "one): the new owner gets it at once.")
-    ref_trace, ref_cached = _reference(True)
-    expect(cached == ref_cached, f"cached tokens per request {cached} differ from the reference {ref_cached}",
-           "never zero a block that is still cached or in use.")
-    same = len(trace) == len(ref_trace) and all(
-        a.keys() == b.keys() and all(torch.allclose(a[r], b[r], atol=1e-5) for r in a) for a, b in zip(trace, ref_trace))
-    expect(same, "the model's outputs differ from an engine with minikv's scrub='on_alloc': your scrubber destroyed "
-           "K/V that a running request (or a cache hit) still needed",
-           "scrub only the blocks you are given, and only before their new owner writes them.")
-    return cached, eng.stats["steps"]
-
-
-@grader("scrub in on_alloc (before the new owner writes), exactly the blocks you are given; never later.")
-def check_scrubber(scrubber_cls) -> str:
-    """Exercise 3b: on a real pool, then inside an engine that reuses blocks all the time."""
-    scrubber = scrubber_cls()
-    expect(callable(getattr(scrubber, "on_free", None)) and callable(getattr(scrubber, "on_alloc", None)),
-           "the scrubber needs on_free(pool, ids) and on_alloc(pool, ids) methods")
-    pool = _random_pool()
-    before_k, before_v = pool.k_cache.clone(), pool.v_cache.clone()
-    scrubber.on_alloc(pool, [2, 5])
-    _diff_report(pool, before_k, before_v, [2, 5], "on_alloc(pool, [2, 5])")
-    pool = _random_pool(1)
-    before_k, before_v = pool.k_cache.clone(), pool.v_cache.clone()
-    scrubber.on_free(pool, [1, 3])
-    _diff_report(pool, before_k, before_v, [1, 3], "on_free(pool, [1, 3])", must_zero=False)
-
-    cached, steps = engine_stage(scrubber_cls)
-    return (f"zeroes exactly the given blocks; in the engine {len(cached)} requests over {steps} steps never "
-            "got stale data, and outputs equal the reference")

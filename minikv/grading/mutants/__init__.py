@@ -27,8 +27,7 @@ from .audit import (audit_everything_cross, audit_no_copy, audit_one_direction, 
                     verdict_one_direction, verdict_wrong_order)
 from .hashing import (encode_json_like, encode_no_length, encode_untyped, hash_ignores_tenant,
                       hash_packed_no_boundaries, hash_unchained, hash_untyped_concat)
-from .scrubbing import (ScrubDeferred, ScrubFirstBlockOnly, ScrubNothing, ScrubOnlyK, ScrubWholePool,
-                        place_finished_only, place_keep_evicted, place_needs_a_request, place_on_release,
+from .scrubbing import (place_finished_only, place_keep_evicted, place_needs_a_request, place_on_release,
                         place_skip_aborted, place_wipe_hits, zero_k_only, zero_layer0_only, zero_on_a_copy,
                         zero_out_of_place, zero_wrong_dim)
 from .stats import auc_flipped, auc_ignores_ties, ks_two_sided, ks_wrong_alternative
@@ -59,7 +58,6 @@ __all__ = [
     "KeyedSaltNeverUsed", "KeyedFirstBlockOnly", "KeyedTruncated",
     "keys_salt_last_block_only", "keys_salt_never_passed", "keys_straddling_block_public", "keys_unchained",
     "zero_k_only", "zero_layer0_only", "zero_wrong_dim", "zero_out_of_place",
-    "ScrubNothing", "ScrubDeferred", "ScrubFirstBlockOnly", "ScrubOnlyK", "ScrubWholePool",
     "verdict_one_direction", "verdict_wrong_order",
     "audit_one_direction", "audit_sequential", "audit_everything_cross", "audit_no_copy",
     "ks_wrong_alternative", "ks_two_sided", "auc_flipped", "auc_ignores_ties",

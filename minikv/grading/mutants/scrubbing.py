@@ -2,7 +2,9 @@
 
 A recycled KV block must reach its new owner with nothing of the previous tenant in it -- in
 every layer, in K and in V -- while every block still owned (cached prefixes, running requests)
-keeps its contents.  Each mutant errs on one side: too little zeroed, too late, or too much.
+keeps its contents.  The 3a mutants zero too little, too much or a copy; the 3b placements zero
+on the wrong transitions, or decide by *why* a block moves (finished, aborted, an operator reset)
+instead of by the transition, and so miss a path.
 """
 from __future__ import annotations
 
@@ -49,74 +51,6 @@ def zero_out_of_place(pool, block_ids):
         idx = torch.as_tensor(list(block_ids), dtype=torch.long)
         pool.k_cache = pool.k_cache.index_fill(1, idx, 0)
         pool.v_cache = pool.v_cache.index_fill(1, idx, 0)
-
-
-# ============================================================================ 3b scrubber
-
-
-def _zero(pool, ids):
-    import torch
-    if ids:
-        idx = torch.as_tensor(list(ids), dtype=torch.long, device=pool.k_cache.device)
-        pool.k_cache.index_fill_(1, idx, 0)
-        pool.v_cache.index_fill_(1, idx, 0)
-
-
-class ScrubNothing:
-    """Both hooks do nothing: recycled blocks keep the previous tenant's K/V."""
-
-    def on_free(self, pool, block_ids):
-        pass
-
-    def on_alloc(self, pool, block_ids):
-        pass
-
-
-class ScrubDeferred:
-    """'Batch the scrubs for efficiency': blocks given to on_alloc are queued and zeroed at the next
-    on_free -- after their new owner has received them (stale data visible) and written them
-    (the owner's own K/V destroyed)."""
-
-    def __init__(self):
-        self.queue: list[int] = []
-
-    def on_free(self, pool, block_ids):
-        _zero(pool, self.queue)
-        self.queue = []
-
-    def on_alloc(self, pool, block_ids):
-        self.queue += list(block_ids)
-
-
-class ScrubFirstBlockOnly:
-    """Assumes one block per call: only block_ids[0] is zeroed."""
-
-    def on_free(self, pool, block_ids):
-        pass
-
-    def on_alloc(self, pool, block_ids):
-        _zero(pool, list(block_ids)[:1])
-
-
-class ScrubOnlyK:
-    """Zeroes the keys and forgets the values."""
-
-    def on_free(self, pool, block_ids):
-        pass
-
-    def on_alloc(self, pool, block_ids):
-        zero_k_only(pool, list(block_ids))
-
-
-class ScrubWholePool:
-    """'Just wipe everything on allocation': destroys cached prefixes and running requests' K/V."""
-
-    def on_free(self, pool, block_ids):
-        pass
-
-    def on_alloc(self, pool, block_ids):
-        pool.k_cache.zero_()
-        pool.v_cache.zero_()
 
 
 # ============================================================================ 3b placement

@@ -233,7 +233,8 @@ STRATEGIES: dict[str, type] = {cls.name: cls for cls in (KTenants, Monitor)}
 
 
 def make_sharing(config, block_manager, secret: bytes, tenant_key: Callable, decide: Decide):
-    """The strategy object for ``config`` (None unless ``cache_isolation="selective"``)."""
-    if config.cache_isolation != "selective":
+    """The strategy object for ``config`` (None unless ``cache_isolation="selective"`` with prefix
+    caching on: without a cache there is nothing to share)."""
+    if config.cache_isolation != "selective" or not config.enable_prefix_caching:
         return None
     return STRATEGIES[config.selective_strategy](config, block_manager, secret, tenant_key, decide)

@@ -5,6 +5,9 @@
 #   make grade    grade your exercises/ (DIR=folder: grade every student's subfolder into a gradebook)
 #   make hint EX=2a   the next hint for one exercise (levels 1, 2, 3 on repeat calls)
 #   make bench    run the benchmarks
+#   make gpu-check  the CUDA tests + bench --device cuda (bf16, fp32) on a random SmolLM2-shaped
+#                 model, with a summary (< 6 min; exit 2 when there is no CUDA device)
+#   make bench-peers  minikv vs vLLM's offline LLM, same workload and checkpoint (needs `make vllm`)
 #   make upgrade-deps  re-pin constraints.txt to the newest releases (a throw-away venv
 #                 installed without pins, frozen); review the diff, then `make test`
 # Installs are pinned: .venv gets exactly the versions in constraints.txt, and is
@@ -20,7 +23,7 @@ MODEL := smollm2-135m-instruct
 NOTEBOOKS := $(wildcard course/*.ipynb)
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
-.PHONY: setup upgrade-deps model chromium course test test-py test-nb test-thorough grade hint bench clean vllm vllm-start vllm-stop gu-data
+.PHONY: setup upgrade-deps model chromium course test test-py test-nb test-thorough grade hint bench gpu-check bench-peers clean vllm vllm-start vllm-stop gu-data
 
 setup:
 	@$(PYTHON) scripts/bootstrap.py
@@ -89,6 +92,13 @@ hint: setup
 
 bench: model
 	$(PY) -m minikv.bench
+
+gpu-check: setup
+	$(PY) scripts/gpu_check.py
+
+bench-peers: model
+	@[ -x .venv-vllm/bin/python ] || { echo "bench-peers needs .venv-vllm: run make vllm first"; exit 2; }
+	$(PY) scripts/bench_peers.py
 
 # Gu et al.'s released timing data (lesson 09, tests/test_audit_gu.py): downloaded from the authors'
 # repository at a pinned commit into $MINIKV_HOME and sha256-checked. Not part of `test`/`course`

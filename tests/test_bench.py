@@ -2,17 +2,56 @@
 from __future__ import annotations
 
 import json
+import math
 
 from minikv import LLM
 from minikv.bench import format_report, hit_rate_vs_tenants, main
 
 
-def test_bench_runs_and_reports_every_ratio(tmp_path, capsys):
+def test_bench_report_holds_every_figure_beside_its_ratio(tmp_path, capsys):
+    """Every ratio comes with the two absolutes it divides, in the JSON and in the printed text,
+    and each ratio is those absolutes' quotient (nothing printed that was not measured)."""
     out = tmp_path / "bench.json"
-    assert main(["--model", "tiny-random", "--device", "cpu", "--only", "throughput,ttft", "--json", str(out)]) == 0
+    assert main(["--model", "tiny-random", "--device", "cpu", "--only", "throughput,ttft,prefill,ops",
+                 "--dtypes", "float32,bfloat16", "--requests", "4", "--max-tokens", "8", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["throughput"]["throughput_ratio"] > 0 and report["ttft"]["ttft_hit_over_miss"] > 0
-    assert "throughput_ratio" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert set(report["throughput_by_dtype"]) == set(report["prefill_by_dtype"]) == {"float32", "bfloat16"}
+    for dtype, t in report["throughput_by_dtype"].items():
+        for side in ("minikv", "reference", "transformers"):
+            rate = t[f"{side}_tokens_per_s"]
+            assert math.isfinite(rate) and rate > 0, (dtype, side)
+            assert f"{rate:8.1f} tok/s" in text
+        assert math.isclose(t["throughput_ratio"], t["minikv_tokens_per_s"] / t["transformers_tokens_per_s"])
+        assert math.isclose(t["reference_ratio"], t["reference_tokens_per_s"] / t["transformers_tokens_per_s"])
+        assert t["backend"] == "fused" and t["repeats"] >= 2 and t["load_before"] >= 0
+        assert t["requests"] == 4 and t["tokens_per_request"] == 8
+        assert f"ratio {t['throughput_ratio']:.2f}" in text
+    for dtype, p in report["prefill_by_dtype"].items():
+        assert p["prefill_flops_per_s"] > 0 and p["matmul_peak_flops_per_s"] > 0
+        assert math.isclose(p["prefill_over_peak"], p["prefill_flops_per_s"] / p["matmul_peak_flops_per_s"])
+        assert f"prefill/peak {p['prefill_over_peak']:.2f}" in text and f"prefill {dtype}" in text
+    t = report["ttft"]
+    assert t["hit_ms"] > 0 and t["miss_ms"] > 0
+    assert math.isclose(t["ttft_hit_over_miss"], t["hit_ms"] / t["miss_ms"])
+    assert f"{t['hit_ms']:8.1f} ms" in text and f"{t['miss_ms']:8.1f} ms" in text
+    ops = report["ops"]
+    assert ops["batch"] == 16 and 0 < ops["fused"]["aten_ops"] < ops["reference"]["aten_ops"]
+    assert ops["fused"]["casts"] < ops["reference"]["casts"]
+    for backend in ("reference", "fused"):
+        assert f"{backend:<9} {ops[backend]['aten_ops']:6d}" in text
+
+
+def test_prefill_flops_count_matmuls_attention_and_head_without_padding():
+    from minikv.bench_engine import prefill_flops
+
+    m = LLM("tiny-random", device="cpu").engine.model
+    s = m.shape
+    layer = 2 * (m.layers[0].qkv.numel() + m.layers[0].o_proj.numel() + m.layers[0].gate_up.numel()
+                 + m.layers[0].down.numel())
+    attn = lambda n: 4 * s.num_heads * s.head_dim * n * (n + 1) // 2  # noqa: E731
+    expected = s.num_layers * (layer * 13 + attn(10) + attn(3)) + 2 * 2 * s.hidden_size * s.vocab_size
+    assert prefill_flops(m, [10, 3]) == expected
 
 
 def test_hit_rate_table_orders_the_policies():

@@ -1,0 +1,158 @@
+"""``make gpu-check``: every CUDA check of issue 11 in one command, with a summary at the end.
+
+    .venv/bin/python scripts/gpu_check.py [--keep DIR] [--skip-bench]
+
+No network and no SmolLM2 checkpoint are needed: the script builds a random-weight Llama with
+SmolLM2-135M's shapes (30 layers, hidden 576, 9 query / 3 KV heads, vocabulary 49,152; seeded)
+and the byte-level test tokenizer, saves it to a temporary directory and checks on the GPU:
+
+1. correctness against transformers on the same weights: ``score`` logits of both attention
+   backends in fp32 (within 1e-4 of the largest logit: CUDA kernels may pick other reduction orders
+   than transformers' calls, so the CPU's 1e-5 is not asked here) and bf16 (within 8% of the
+   largest logit), greedy tokens of a batch identical to transformers';
+2. the CUDA tests (``pytest -k cuda`` over the engine's attention tests: they skip on a CPU);
+3. ``python -m minikv.bench --device cuda`` on that model in bf16 and fp32: throughput against
+   transformers, TTFT, prefill FLOP/s against the measured matmul peak, ops and kernels per
+   decode step.
+
+Exit status: 0 when every check passed, 1 when one failed, 2 when there is **no CUDA device**
+("no CUDA device: nothing to check"): a GPU check that checked nothing has not passed, so a CI
+job that expects a GPU must not go green on a machine without one.  Budget: under 6 minutes on
+one GPU (each step has its own timeout).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                     num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192,
+                     rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
+
+
+def build_random_smollm2(out: Path) -> Path:
+    """Save a seeded random-weight Llama with SmolLM2-135M's shapes (and the byte-level test
+    tokenizer: prompts here are random token ids, so the tokenizer only decodes) to ``out``."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    sys.path.insert(0, str(ROOT))
+    from minikv.models.tiny import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    config = LlamaConfig(**SMOLLM2_SHAPE, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    model = LlamaForCausalLM(config).float().eval()
+    with torch.no_grad():  # the tiny-random recipe's scales: logits that depend on the context
+        for name, p in model.named_parameters():
+            gen = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+            p.copy_(torch.ones_like(p) if "norm" in name else
+                    torch.randn(p.shape, generator=gen) * (1.0 if "embed_tokens" in name else 0.04))
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def check_correctness(path: Path) -> list[tuple[str, bool, str]]:
+    """minikv (both backends) against transformers on the GPU, fp32 and bf16."""
+    import random
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from minikv import LLM, SamplingParams
+
+    results = []
+    rng = random.Random(0)
+    ids = [rng.randrange(1000, 48000) for _ in range(300)]
+    prompts = [[rng.randrange(1000, 48000) for _ in range(n)] for n in (17, 64, 200, 333)]
+    for dtype, tol in (("float32", 1e-4), ("bfloat16", 0.08)):
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation="sdpa").cuda().eval()
+        with torch.no_grad():
+            want = hf(torch.tensor([ids], device="cuda")).logits[0].float()
+        scale = want.abs().max().item()
+        for backend in ("reference", "fused"):
+            llm = LLM(str(path), device="cuda", dtype=dtype, attention_backend=backend)
+            diff = (llm.engine.score(ids) - want).abs().max().item()
+            limit = tol * scale
+            results.append((f"score {dtype} {backend} vs transformers", diff <= limit,
+                            f"max |diff| {diff:.3g} (limit {limit:.3g}, largest logit {scale:.3g})"))
+        if dtype == "float32":  # greedy tokens of a batch, fused backend
+            llm = LLM(str(path), device="cuda", dtype=dtype, attention_backend="fused")
+            got = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))]
+            same = 0
+            for p, g in zip(prompts, got):
+                with torch.no_grad():
+                    out = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=16, min_new_tokens=16,
+                                      do_sample=False, pad_token_id=2)
+                same += out[0, len(p):].tolist() == g
+            results.append(("greedy tokens fp32 (fused, batch of 4) == transformers", same == len(prompts),
+                            f"{same}/{len(prompts)} sequences identical"))
+        del hf
+        torch.cuda.empty_cache()
+    return results
+
+
+def run(cmd: list[str], timeout: int) -> tuple[int, str, float]:
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+        return p.returncode, p.stdout + p.stderr, time.perf_counter() - t0
+    except subprocess.TimeoutExpired as exc:
+        return 124, f"timed out after {timeout} s\n{exc.stdout or ''}", time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--keep", help="build the model in this directory and keep it")
+    ap.add_argument("--skip-bench", action="store_true", help="correctness and tests only")
+    args = ap.parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("no CUDA device: nothing to check (exit status 2: a GPU check that ran nothing has not passed)")
+        return 2
+    start = time.perf_counter()
+    print(f"gpu-check on {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_random_smollm2(Path(args.keep or tmp) / "random-smollm2-shape")
+        results = check_correctness(path)
+        rc, out, secs = run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-k", "cuda",
+                             "tests/test_attention_fused.py", "tests/test_attention_pad_block.py",
+                             "tests/test_sampling_batched.py"], timeout=150)
+        tail = out.strip().splitlines()[-1] if out.strip() else ""
+        results.append(("pytest -k cuda (attention, pad block, sampling)", rc == 0, f"{tail} ({secs:.0f} s)"))
+        bench = {}
+        if not args.skip_bench:
+            report = Path(tmp) / "bench.json"
+            rc, out, secs = run([sys.executable, "-m", "minikv.bench", "--device", "cuda", "--model", str(path),
+                                 "--dtypes", "bfloat16,float32", "--only", "throughput,ttft,prefill,ops",
+                                 "--json", str(report)], timeout=240)
+            print(out, flush=True)
+            results.append(("python -m minikv.bench --device cuda (bf16, fp32)", rc == 0, f"exit {rc} ({secs:.0f} s)"))
+            bench = json.loads(report.read_text()) if rc == 0 else {}
+    print("\n== gpu-check summary ==")
+    for name, ok, detail in results:
+        print(f"  {'PASS' if ok else 'FAIL'}  {name}: {detail}")
+    for dtype, t in bench.get("throughput_by_dtype", {}).items():
+        print(f"  {dtype}: minikv {t['minikv_tokens_per_s']:.0f} tok/s, transformers {t['transformers_tokens_per_s']:.0f}"
+              f" tok/s, ratio {t['throughput_ratio']:.2f}")
+    if "ops" in bench:
+        o = bench["ops"]
+        print(f"  decode step (batch 16): aten ops reference {o['reference']['aten_ops']}, fused {o['fused']['aten_ops']};"
+              f" CUDA kernels reference {o['reference']['cuda_kernels']}, fused {o['fused']['cuda_kernels']}")
+    print(f"  total {time.perf_counter() - start:.0f} s (budget 360 s)")
+    return 0 if all(ok for _, ok, _ in results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

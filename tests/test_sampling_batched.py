@@ -21,15 +21,19 @@ PARAMS = [
 ]
 
 
-def _gens(seeds):
-    return [torch.Generator().manual_seed(s) for s in seeds]
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
+def _gens(seeds, device="cpu"):
+    return [torch.Generator(device=device).manual_seed(s) for s in seeds]
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("vocab", [7, 300])
-def test_batched_draw_equals_the_one_row_sampler_token_for_token(vocab):
-    logits = torch.randn(len(PARAMS), vocab, generator=torch.Generator().manual_seed(vocab)) * 3
+def test_batched_draw_equals_the_one_row_sampler_token_for_token(vocab, device):
+    logits = (torch.randn(len(PARAMS), vocab, generator=torch.Generator().manual_seed(vocab)) * 3).to(device)
     seeds = list(range(100, 100 + len(PARAMS)))
-    ga, gb = _gens(seeds), _gens(seeds)
+    ga, gb = _gens(seeds, device), _gens(seeds, device)
     for _ in range(20):  # 20 draws in a row: the generators advance the same way too
         assert sample(logits, PARAMS, ga) == [sample_row(logits[i], p, gb[i]) for i, p in enumerate(PARAMS)]
     assert len(set(sample(logits[1:2].expand(8, -1), [PARAMS[1]] * 8, _gens(range(8))))) > 1  # it is random

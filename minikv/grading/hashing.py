@@ -211,7 +211,7 @@ def check_block_hash_properties(hasher, label: str) -> None:
     base = (None, (1, 2, 3, 4), (), None)
     h0 = hasher(*base)
     expect(isinstance(h0, bytes), f"{label} returned {type(h0).__name__}, expected bytes")
-    expect(len(h0) >= 16, f"{label} returned {len(h0)} bytes; at least 16 are needed",
+    expect(len(h0) >= 16, f"{label} returned {len(h0)} bytes; at least 16 are needed (bug class: truncated key)",
            "never truncate a cache key: with 8 bytes a birthday search finds collisions; use the full digest.")
     expect(hasher(*base) == h0, f"{label} gave two different keys for the same block",
            "keys must be deterministic, or a prefix never hits its own cache.")
@@ -222,7 +222,9 @@ def check_block_hash_properties(hasher, label: str) -> None:
         "tenant_key": (None, (1, 2, 3, 4), (), KEY_A),
     }
     for field, args in variants.items():
-        expect(hasher(*args) != h0, f"changing only `{field}` did not change the key",
+        bug = {"parent": "unchained key", "tokens": "tokens not hashed", "extra": "extra keys dropped",
+               "tenant_key": "tenant key never reaches the hash"}[field]
+        expect(hasher(*args) != h0, f"changing only `{field}` did not change the key (bug class: {bug})",
                f"the key must cover `{field}`" + (
                    ": chaining (the parent's key) makes a key stand for the whole prefix." if field == "parent"
                    else "."))

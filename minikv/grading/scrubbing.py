@@ -79,7 +79,9 @@ def _diff_report(pool, before_k, before_v, ids: list[int], call: str, must_zero:
                 if nonzero:
                     hint = ("zero both k_cache and v_cache." if len(nonzero) == layers else
                             "the block dimension is dim 1; index [:, ids] so that every layer (dim 0) is zeroed.")
-                    raise CheckFailed(f"after {call}, block {b} still holds {name} data in layer(s) {nonzero}", hint)
+                    bug = (f"{name} forgotten" if len(nonzero) == layers else "only some layers zeroed")
+                    raise CheckFailed(f"after {call}, block {b} still holds {name} data in layer(s) {nonzero} "
+                                      f"(bug class: {bug})", hint)
 
 
 @grader("zero exactly the given blocks, along the block dimension, in every layer, in K and V, in place.")
@@ -97,7 +99,8 @@ def check_zero_blocks(zero_blocks) -> str:
                                   "write the zeroing yourself on pool.k_cache and pool.v_cache.") from None
             raise
         expect(pool.k_cache is k and pool.v_cache is v,
-               "zero_blocks replaced pool.k_cache / pool.v_cache with new tensors instead of zeroing them in place",
+               "zero_blocks replaced pool.k_cache / pool.v_cache with new tensors instead of zeroing them in place "
+               "(bug class: out-of-place copy)",
                "use an in-place operation (index_fill_, or indexed assignment): a copy costs as much memory as "
                "the whole pool, and other code holds the original tensors.")
         if ids and torch.equal(pool.k_cache, before_k) and torch.equal(pool.v_cache, before_v):

@@ -179,13 +179,18 @@ def check_block_keys(block_keys) -> str:
             parent = want[i - 1] if i else None
             block = tuple(ids[i * bs:(i + 1) * bs])
             public = (i + 1) * bs <= pub
+            straddles = i * bs < pub < (i + 1) * bs
             diag = {
-                hasher(parent, block, (), None): ("block {i} was hashed without the tenant key",
+                hasher(parent, block, (), None): ("block {i} was hashed without the tenant key (bug class: "
+                                                  + ("a block that straddles the end of the public prefix treated "
+                                                     "as public)" if straddles else
+                                                     "tenant key missing from a private block)"),
                                                   "pass tenant_key to every block after the public prefix (not only "
                                                   "the last, not never): unkeyed blocks are shared across tenants."),
                 hasher(parent, block, (), key): ("block {i} lies inside the public prefix but was hashed with the "
                                                  "tenant key", "blocks entirely inside public_len get tenant_key=None."),
-                hasher(None, block, (), None if public else key): ("block {i} was hashed without its parent",
+                hasher(None, block, (), None if public else key): ("block {i} was hashed without its parent "
+                                                                   "(bug class: unchained keys)",
                                                                    "chain: parent = the previous block's key."),
             }
             what, hint = diag.get(g, ("block {i}'s key differs from the engine's", ""))

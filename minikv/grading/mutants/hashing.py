@@ -92,6 +92,6 @@ MUTANTS = {
 DIAGNOSES = {
     ("1a", "untyped"): "containing the separator", ("1a", "no-length"): "boundary moved",
     ("1a", "repr"): "a list and a tuple", ("1a", "typed-separator"): "containing the separator",
-    ("1b", "untyped-concat"): "without separators are ambiguous", ("1b", "unchained"): "changing only `parent`",
-    ("1b", "packed-no-boundaries"): "need length prefixes", ("1b", "ignores-tenant"): "changing only `tenant_key`",
+    ("1b", "untyped-concat"): "without separators are ambiguous", ("1b", "unchained"): "unchained key",
+    ("1b", "packed-no-boundaries"): "need length prefixes", ("1b", "ignores-tenant"): "tenant key never reaches the hash",
 }

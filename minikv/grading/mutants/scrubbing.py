@@ -119,8 +119,8 @@ MUTANTS = {
 
 #: mutant -> the words its grader's verdict must contain (the bug class it names)
 DIAGNOSES = {
-    ("3a", "k-only"): "still holds V", ("3a", "layer0-only"): "layer(s) [1", ("3a", "wrong-dim"): "wrong dimension",
-    ("3a", "on-a-copy"): "COPY", ("3a", "out-of-place"): "in place",
+    ("3a", "k-only"): "V forgotten", ("3a", "layer0-only"): "only some layers zeroed", ("3a", "wrong-dim"): "wrong dimension",
+    ("3a", "on-a-copy"): "COPY", ("3a", "out-of-place"): "out-of-place copy",
     ("3b", "wipe-hits"): "wipes every HIT", ("3b", "on-release"): "released INTO the cache",
     ("3b", "keep-evicted"): "LRU EVICTION", ("3b", "finished-only"): "PREEMPTION",
     ("3b", "skip-aborted"): "ABORT", ("3b", "needs-a-request"): "reset_prefix_cache",

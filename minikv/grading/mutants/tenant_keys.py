@@ -180,8 +180,8 @@ DIAGNOSES = {
     ("2a", "concat"): "contains the engine secret", ("2a", "no-secret-check"): "accepted a 5-byte secret",
     ("2a", "str-tenant"): "None (anonymous) and 'None'", ("2a", "nfc-normalised"): "two Unicode forms",
     ("2a", "ascii-lossy"): "lossy encoding", ("2a", "sha256-concat"): "ad-hoc keyed hash",
-    ("2b", "salt-never-used"): "changing only `tenant_key`", ("2b", "first-block-only"): "only enters the first block",
-    ("2b", "truncated"): "at least 16 are needed", ("2b", "sha256-concat"): "ad-hoc keyed hash",
-    ("2c", "salt-last-block-only"): "without the tenant key", ("2c", "salt-never-passed"): "without the tenant key",
-    ("2c", "straddling-block-public"): "public_len=6", ("2c", "unchained"): "without its parent",
+    ("2b", "salt-never-used"): "tenant key never reaches the hash", ("2b", "first-block-only"): "only enters the first block",
+    ("2b", "truncated"): "truncated key", ("2b", "sha256-concat"): "ad-hoc keyed hash",
+    ("2c", "salt-last-block-only"): "tenant key missing from a private block", ("2c", "salt-never-passed"): "tenant key missing from a private block",
+    ("2c", "straddling-block-public"): "straddles the end of the public prefix", ("2c", "unchained"): "unchained keys",
 }

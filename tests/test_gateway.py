@@ -301,3 +301,33 @@ def test_chat_requests_are_salted_and_bad_messages_refused(gateway):
     assert cached[0] == 0 and cached[1] > 0 and cached[2] == 0
     r = httpx.post(url, json={"messages": [{"content": 5}]}, headers=auth, timeout=60)
     assert r.status_code == 400 and "messages[0]" in r.json()["error"]["message"]
+
+
+def test_per_tenant_concurrency_limit_is_a_clear_429():
+    up = fake_upstream()
+    srv = start_gateway([up.base_url], KEYS, limits=ServeLimits(max_concurrent=1, max_queued=0))
+    try:
+        with httpx.Client(timeout=30) as c:
+            with c.stream("POST", f"{srv.base_url}/completions", json={"prompt": "go", "stream": True},
+                          headers={"Authorization": "Bearer sk-bob"}) as held:
+                chunks = held.iter_raw()                    # keep it: a dropped iterator closes the stream
+                next(chunks)                                # bob's one slot is taken
+                status, _, body = complete(srv.base_url, "sk-bob", "second")
+                assert status == 429 and "running" in body["error"]["message"]
+                assert complete(srv.base_url, "sk-alice-1", "other tenant")[0] == 200
+        assert complete(srv.base_url, "sk-bob", "after")[0] == 200    # the slot came back
+    finally:
+        srv.stop()
+        up.stop()
+
+
+def test_gateway_command_refuses_bad_keys_and_dead_upstreams(tmp_path, capsys):
+    from minikv.cli import main
+
+    keys = tmp_path / "keys.json"
+    keys.write_text('{"sk-a": "alice", "sk-a": "bob"}')
+    assert main(["gateway", "--upstream", "http://127.0.0.1:9/v1", "--api-keys", str(keys)]) == 1
+    assert "repeats the key of entry 1" in capsys.readouterr().err
+    keys.write_text('{"sk-a": "alice"}')
+    assert main(["gateway", "--upstream", "http://127.0.0.1:9/v1", "--api-keys", str(keys)]) == 1
+    assert "did not list its models" in capsys.readouterr().err

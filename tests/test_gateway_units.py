@@ -138,3 +138,14 @@ def test_serve_client_salt_domains():
         client_salt({"cache_salt": "x" * 5000})
     with pytest.raises(ValueError, match="reserves"):
         check_tenant_names(["alice", "eve#salt-0123"])
+
+
+def test_tokenizer_follows_the_upstream_model():
+    import argparse
+
+    from minikv.gateway.cli import tokenizer_name
+    auto = argparse.Namespace(tokenizer="auto")
+    assert tokenizer_name(auto, ["smollm2-135m-instruct", "smollm2-135m-instruct"]) == "smollm2-135m-instruct"
+    with pytest.raises(ValueError, match="different models"):
+        tokenizer_name(auto, ["smollm2-135m-instruct", "tiny-random"])
+    assert tokenizer_name(argparse.Namespace(tokenizer="/models/x"), ["a", "b"]) == "/models/x"

@@ -62,10 +62,11 @@ def start_checks(args, upstream_key: str | None) -> dict:
     """Steps 2-4 of the module doc; returns {"block_size", "kinds"}; raises on any failure."""
     from .probe import UnverifiedUpstream, check_public_prefix, probe_upstream
 
-    kinds, block_sizes = [], []
+    kinds, block_sizes, models = [], [], []
     for upstream in args.upstream:
         model, owner = discover(upstream, upstream_key)
         kinds.append(owner)
+        models.append(model)
         if args.allow_unverified_upstream:
             log.warning("--allow-unverified-upstream: NOT checking that %s honours the salt", upstream)
             continue
@@ -85,19 +86,32 @@ def start_checks(args, upstream_key: str | None) -> dict:
                                      "vLLM 0.32 mixes cache_salt into block 0's hash, so no block of a salted "
                                      "request can be shared across salts")
         from .oversight import PromptTokens
-        ids = PromptTokens(_tokenizer_dir(args.tokenizer)).completion(args.public_prefix)
+        ids = PromptTokens(_tokenizer_dir(tokenizer_name(args, models))).completion(args.public_prefix)
         for upstream in args.upstream:
             shared = check_public_prefix(upstream, discover(upstream, upstream_key)[0], ids, block,
                                          upstream_key, args.salt_header)
             if shared < block:
                 raise UnverifiedUpstream(f"{upstream} does not share the public prefix across salts "
                                          f"(cached {shared} tokens); start it with --shared-prefix and the same text")
-    return {"block_size": block, "kinds": kinds}
+    return {"block_size": block, "kinds": kinds, "models": models}
+
+
+def tokenizer_name(args, models: list[str]) -> str:
+    """``--tokenizer``, or with ``auto`` the model the upstreams serve (they must agree): the
+    fingerprints must cut prompts exactly as the upstream's tokenizer does."""
+    if args.tokenizer != "auto":
+        return args.tokenizer
+    if len(set(models)) != 1:
+        raise ValueError(f"the upstreams serve different models {sorted(set(models))}; pass --tokenizer")
+    return models[0]
 
 
 def _tokenizer_dir(name: str):
     from ..models.hub import resolve_model
-    return resolve_model(name, progress=False)
+    try:
+        return resolve_model(name, progress=False)
+    except (ValueError, FileNotFoundError) as exc:
+        raise ValueError(f"no local tokenizer for {name!r} ({exc}); pass --tokenizer DIR or 'none'") from None
 
 
 def _cmd_gateway(args: argparse.Namespace) -> int:
@@ -116,7 +130,8 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
         secret = _read_secret(args.secret_file)
         upstream_key = _upstream_key(args)
         checks = start_checks(args, upstream_key)
-        tokens = None if args.tokenizer == "none" else PromptTokens(_tokenizer_dir(args.tokenizer))
+        tokens = None if args.tokenizer == "none" else \
+            PromptTokens(_tokenizer_dir(tokenizer_name(args, checks["models"])))
         trail = GatewayTrail(secret, checks["block_size"], args.trail) if tokens is not None else None
     except (OSError, ValueError, TypeError, RuntimeError, UnverifiedUpstream) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -156,8 +171,9 @@ def add_gateway_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
                    help="skip the start-up probe that the upstream honours the salt (UNSAFE)")
     p.add_argument("--public-prefix", metavar="TEXT",
                    help="a prefix shared across tenants; minikv upstreams (--shared-prefix) only")
-    p.add_argument("--tokenizer", default="smollm2-135m-instruct",
-                   help="the upstream model's tokenizer (name or directory; 'none': no trail)")
+    p.add_argument("--tokenizer", default="auto",
+                   help="the upstream model's tokenizer: a name, a directory, 'auto' (default: the model "
+                        "id the upstreams list, resolved by minikv.models.hub) or 'none' (no trail)")
     p.add_argument("--block-size", type=positive_int, help="upstream KV block size (default: measured by the probe)")
     p.add_argument("--trail", metavar="FILE", help="operator trail (JSONL, keyed fingerprints, no prompt text)")
     p.add_argument("--max-tokens-cap", type=positive_int, default=512,

@@ -34,8 +34,10 @@ def derive_tenant_key(engine_secret: bytes, tenant: str | None) -> bytes:
 
     Contract:
 
-    * ``HMAC-SHA256(engine_secret, typed(label, tenant))``: deterministic, 32 bytes;
-    * different tenants -> different keys; ``None`` and ``""`` are different tenants;
+    * a keyed pseudo-random function of the tenant (HMAC-SHA256 keyed by the engine secret, its
+      message labelled ``TENANT_LABEL``): deterministic, 32 bytes;
+    * different tenants -> different keys; ``None``, ``""`` and ``"None"`` are three tenants, and two
+      names that merely look alike (Unicode forms, non-ASCII letters) are different tenants too;
     * depends on the secret: another engine secret gives unrelated keys, and a client who knows
       only tenant names cannot compute any key (no ``sha256(tenant)``!);
     * never reveals the secret (the key is not the secret, nor contains it);
@@ -71,9 +73,10 @@ class TenantKeyedHasher:
 
     * ``__init__`` raises ``ValueError`` for a secret shorter than ``MIN_SECRET_BYTES`` bytes and
       derives a *shared key* from it (label ``SHARED_LABEL``) for blocks with ``tenant_key=None``;
-    * ``__call__`` returns an HMAC-SHA256 (32 bytes) keyed with ``tenant_key`` -- or with the
-      shared key when ``tenant_key`` is ``None`` -- over the typed ``(BLOCK_LABEL, parent,
-      tokens, extra, tenant_key is not None)``;
+    * ``__call__`` returns a 32-byte HMAC-SHA256 keyed per *domain* (a tenant block's own key, or
+      the shared key for ``tenant_key=None``); its message covers ``BLOCK_LABEL``, the parent,
+      the tokens and the extra keys without ambiguity, and says which kind of domain the block
+      is in, so tenant and shared blocks can never share a key;
     * the key enters **every** block, not only the first: with ``chain_hashes=True`` keying the
       first block would carry the key down the chain, but a block whose parent is a *public*
       (unkeyed) block, or an engine with ``chain_hashes=False``, would then lose it;

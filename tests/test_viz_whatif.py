@@ -72,7 +72,7 @@ def test_oracle_game_correct_partial_and_wrong_guess(llm):
     right = play_guess(llm, SECRET)
     assert right.shared_cached > 0 and right.isolated_cached == 0
     assert right.shared_cached == (right.prompt_tokens - 1) // 8 * 8   # every full block; the last token is computed
-    half = play_guess(llm, SECRET[:30] + "0000 0000")         # right start, wrong end: a partial hit
+    half = play_guess(llm, SECRET[:32] + "0000-0000 today.")         # right start, wrong end: a partial hit
     assert 0 < half.shared_cached < right.shared_cached and half.isolated_cached == 0
     wrong = play_guess(llm, "Hello, what is the weather like?")
     assert wrong.shared_cached == wrong.isolated_cached == 0

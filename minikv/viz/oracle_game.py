@@ -15,8 +15,11 @@ Why fresh engines for every guess?  A guess is cached too, in the attacker's own
 in everyone's).  Probing the same engine twice, the second guess would hit the first one's
 blocks -- "self-priming", which lesson 04 deals with.  The game keeps each guess independent.
 
-``cached_tokens`` is deterministic; TTFT is a wall-clock measurement (on tiny-random a few
-milliseconds, noise included), so :meth:`GuessResult.summary` holds only the counts.
+``cached_tokens`` is deterministic; TTFT is a wall-clock measurement, so
+:meth:`GuessResult.summary` holds only the counts.  With prompts this short (about 60 tokens on
+tiny-random, 30 on SmolLM2) the prefill a hit saves is within timing noise: the TTFT bars show
+that the count oracle needs no long prompt, while the timing one does (lesson 03, section 4).
+``OracleGame(llm)`` accepts the lesson's SmolLM2 ``LLM`` as well as tiny-random.
 """
 from __future__ import annotations
 

@@ -7,6 +7,9 @@
    label now shows exactly the frame the slider's readout names (``PoolSnapshot.summary()``);
 4. save a screenshot to ``out/browser/lesson02.png``.
 
+A second test drives lesson 03's live widgets (its WhatIf and OracleGame cells, on tiny-random):
+it picks ``cache_isolation="tenant"``, types a guess, and checks the text each widget prints.
+
 Skips (with the reason) only when Chromium or playwright is missing; ``make test`` installs
 Chromium first (``scripts/ensure_chromium.sh``).
 """
@@ -169,3 +172,83 @@ def test_lesson02_pool_explorer_in_jupyterlab(tmp_path, smollm2_path):
     elapsed = time.monotonic() - t0
     print(f"[browser] done in {elapsed:.0f} s; screenshot: {SCREENSHOT.relative_to(REPO)}")
     assert elapsed < 300
+
+
+LESSON03 = REPO / "course" / "03_prefix_sharing.ipynb"
+# Lesson 03 builds its tiny-random engine in section 5 among SmolLM2 cells; only this line is needed.
+TINY_CELL = ("import warnings\nfrom minikv import LLM, UnsafeSettingWarning\n"
+             "warnings.simplefilter('ignore', UnsafeSettingWarning)\n"
+             "tiny = LLM('tiny-random', num_blocks=256, block_size=8, enable_prefix_caching=True,\n"
+             "           max_cached_blocks_per_tenant='unlimited')")
+
+
+def _wait_text(page, sel: str, pattern: str, timeout: int = 60_000) -> str:
+    """Wait until the element ``sel`` shows text matching the JS regex ``pattern``; return it."""
+    page.wait_for_function(
+        "([sel, pat]) => { const e = document.querySelector(sel);"
+        " return e && new RegExp(pat).test(e.textContent); }", arg=[sel, pattern], timeout=timeout)
+    return page.locator(sel).first.inner_text().strip()
+
+
+def test_lesson03_whatif_and_oracle_game_in_jupyterlab(tmp_path):
+    """Lesson 03's live widgets in the browser: pick cache_isolation="tenant" in the what-if
+    widget and the cross-tenant hits drop to 0; type the victim's prompt into the oracle game and
+    the shared engine reports cached tokens while the isolated one reports 0."""
+    _requirements()
+    import nbformat
+    from playwright.sync_api import sync_playwright
+
+    from minikv.viz.oracle_game import SECRET
+
+    nb = nbformat.read(LESSON03, as_version=4)
+    widget_cells = [c.source for c in nb.cells if c.cell_type == "code"
+                    and ("WhatIf(" in c.source or "OracleGame(" in c.source)]
+    assert len(widget_cells) == 2, "lesson 03 should build one WhatIf and one OracleGame"
+    copy = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in [TINY_CELL, *widget_cells]])
+    copy.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    path = tmp_path / "whatif.ipynb"
+    nbformat.write(copy, path)
+
+    t0 = time.monotonic()
+    with JupyterLab(tmp_path) as lab, sync_playwright() as pw:
+        browser = launch_chromium(pw)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.set_default_timeout(60_000)
+            kernel_id = lab.start_kernel_for(path.name)
+            page.goto(lab.url(path.name))
+            page.wait_for_selector(".jp-Notebook .jp-Cell", state="attached")
+            _accept_kernel_dialog(page)
+            lab.wait_kernel_idle(kernel_id)
+            page.locator(".lm-MenuBar-item", has_text=re.compile(r"^Run$")).click()
+            page.locator(".lm-Menu-item:visible", has_text=re.compile(r"^Run All Cells")).first.click()
+
+            summary = ".minikv-whatif-summary"
+            before = _wait_text(page, summary, r"isolation=shared .*cross-tenant hits=[1-9]", RUN_TIMEOUT_MS)
+            _dismiss_news_toast(page)
+            assert re.search(r"same-tenant hits=[1-9]", before), before
+            page.locator(".minikv-whatif-isolation select").select_option("tenant")
+            after = _wait_text(page, summary, r"isolation=tenant ")
+            assert "cross-tenant hits=0 " in after, after
+            assert re.search(r"same-tenant hits=[1-9]", after), after   # isolation keeps own hits
+
+            guess = page.locator(".minikv-oracle-guess input")
+            guess.scroll_into_view_if_needed()
+            guess.fill(SECRET)
+            guess.press("Enter")
+            said = _wait_text(page, ".minikv-oracle-summary", r"cached_tokens shared=")
+            m = re.search(r"cached_tokens shared=(\d+) isolated=(\d+)", said)
+            assert m and int(m.group(1)) > 0 and int(m.group(2)) == 0, said
+            assert SECRET in said
+            print(f"[browser] what-if: {after}\n[browser] oracle: {said}")
+        except Exception:
+            try:
+                SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+                page.screenshot(path=str(SCREENSHOT.with_name("lesson03-failure.png")))
+            except Exception:  # noqa: BLE001
+                pass
+            print(lab.log())
+            raise
+        finally:
+            browser.close()
+    print(f"[browser] lesson 03 widgets done in {time.monotonic() - t0:.0f} s")

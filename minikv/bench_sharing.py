@@ -30,7 +30,8 @@ Leak (tiny-random, a fresh engine per policy; the attacks are the course's own):
   after :data:`MAX_PROBES` probes (searching 4**16 fillings of a block is not an attack).  Under
   ``k_tenants`` the attacker also gets k-1 accounts (:class:`SybilOracle`): the Sybil limit;
 * **TTFT oracle** -- :func:`~minikv.attacks.prefix_oracle.timing_rounds` over the true block and
-  three wrong ones after a 512-token known prefix, 5 rounds, then ``repeats_needed`` (None: never decided);
+  three wrong ones, each followed by the same 512 known tokens (the secret is the first block, so a
+  hit saves the whole prefill), 8 rounds, then ``repeats_needed`` up to 4 (None: not decided);
 * **timing audit** -- the protocol of ``minikv audit timing`` (Gu et al.: victim primes a random
   384-token prompt, the attacker re-sends it; misses are fresh prompts; shuffled; 20 per arm;
   one-sided KS + AUC via :func:`minikv.audit.stats.audit_samples`) run in-process on the engine's
@@ -230,15 +231,19 @@ def count_oracle(tiny, kw: dict, victim: tuple, accounts: int = 1, seed: int = 0
                 flags=getattr(llm.engine.sharing, "num_flags", None))
 
 
-def ttft_oracle(tiny, kw: dict, seed: int = 0, rounds: int = 5) -> dict:
+def ttft_oracle(tiny, kw: dict, seed: int = 0, rounds: int = 8) -> dict:
+    """Lesson 04's TTFT oracle: the repeats needed to pick the true block among 4 by lowest median
+    TTFT.  Only up to ``rounds // 2`` counts: drawing r of ``rounds`` rounds with r near ``rounds``
+    gives nearly the same draw every time, so one lucky ordering (1 in 4) would pass."""
     vocab = tiny.engine.model.shape.vocab_size
     rng = random.Random(seed)
-    prefix = _tokens(rng, vocab, 512)
+    known = _tokens(rng, vocab, 512)  # after the secret block: a hit on the secret saves all of it
     cands = [_tokens(rng, vocab, 16) for _ in range(4)]
     llm = _fork(tiny, num_blocks=512, **kw)
-    llm.generate([prefix + cands[0] + [3]], PROBE_PARAMS, tenant="victim")
-    ttft = timing_rounds(llm, [prefix + c + [3] for c in cands], rounds=rounds, attacker_tenant="attacker", seed=seed)
-    return dict(repeats_needed=repeats_needed(ttft, 0), rounds=rounds, candidates=len(cands))
+    llm.generate([cands[0] + known + [3]], PROBE_PARAMS, tenant="victim")
+    ttft = timing_rounds(llm, [c + known + [3] for c in cands], rounds=rounds, attacker_tenant="attacker", seed=seed)
+    return dict(repeats_needed=repeats_needed(ttft, 0, max_repeats=rounds // 2), rounds=rounds,
+                candidates=len(cands))
 
 
 def timing_audit(tiny, kw: dict, n: int = 20, tokens: int = 384, seed: int = 0) -> dict:

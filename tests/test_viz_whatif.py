@@ -63,6 +63,18 @@ def test_other_controls_change_the_run(llm):
     assert run_whatif(llm, Scenario(cache_isolation="selective")).cross_tenant_hits == 0
 
 
+
+def test_every_quota_choice_reaches_the_engine(llm):
+    wi = WhatIf(llm, Scenario(cache_isolation="tenant"))
+    rates = {}
+    for q in ("default", 2, "unlimited"):                      # "default" is None in EngineConfig
+        wi.quota.value = q
+        assert wi.quota.value == q and wi.result.scenario.max_cached_blocks_per_tenant == q
+        assert f"quota={q} " in wi.summary.value
+        rates[q] = wi.result.same_tenant_hits
+    assert rates[2] < rates["default"] < rates["unlimited"]    # 64-block pool: default quota is 8
+
+
 def test_bad_isolation_is_refused(llm):
     with pytest.raises(ValueError, match="'open'"):
         run_whatif(llm, Scenario(cache_isolation="open"))

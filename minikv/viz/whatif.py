@@ -40,14 +40,15 @@ WORKLOAD = (("alice", "How do I reset my password?"), ("bob", "What is the savin
             ("bob", "What is the savings rate?"))
 TENANTS = ("alice", "bob", "carol")
 POOL_BLOCKS = 64
-QUOTAS = ("unlimited", None, 2, 4, 8)  # None: the engine's default quota (1/8 of the pool)
+QUOTAS = ("unlimited", "default", 2, 4, 8)  # "default": None, the engine's quota (1/8 of the pool)
 SUMMARY_CLASS = "minikv-whatif-summary"
 
 
 @dataclass(frozen=True)
 class Scenario:
     """The settings the widget's controls edit (``EngineConfig`` fields, except ``public_system``:
-    True declares the system prompt an operator ``shared_prefixes`` entry)."""
+    True declares the system prompt an operator ``shared_prefixes`` entry).  The quota ``"default"``
+    stands for ``None`` (a dropdown cannot hold None: ipywidgets reads it as "nothing selected")."""
     cache_isolation: str = "shared"
     block_size: int = 8
     scrub: str = "on_alloc"
@@ -55,9 +56,8 @@ class Scenario:
     public_system: bool = False
 
     def label(self) -> str:
-        quota = "default" if self.max_cached_blocks_per_tenant is None else self.max_cached_blocks_per_tenant
         return (f"isolation={self.cache_isolation} block_size={self.block_size} scrub={self.scrub} "
-                f"quota={quota} public_system={'on' if self.public_system else 'off'}")
+                f"quota={self.max_cached_blocks_per_tenant} public_system={'on' if self.public_system else 'off'}")
 
 
 @dataclass
@@ -102,9 +102,10 @@ def run_whatif(llm, scenario: Scenario = Scenario()) -> WhatIfResult:
         raise ValueError(f"cache_isolation must be one of {CACHE_ISOLATION}, got {scenario.cache_isolation!r}")
     tok = llm.get_tokenizer()
     public = [_system_ids(tok)] if scenario.public_system else []
+    quota = scenario.max_cached_blocks_per_tenant
     fork = llm.fork(num_blocks=POOL_BLOCKS, enable_prefix_caching=True, block_size=scenario.block_size,
                     cache_isolation=scenario.cache_isolation, scrub=scenario.scrub,
-                    max_cached_blocks_per_tenant=scenario.max_cached_blocks_per_tenant,
+                    max_cached_blocks_per_tenant=None if quota == "default" else quota,
                     shared_prefixes=public)
     res = WhatIfResult(scenario, cached={t: 0 for t in TENANTS}, prompt={t: 0 for t in TENANTS})
     bm = fork.engine.block_manager
@@ -159,8 +160,7 @@ class WhatIf:
         self.block_size = w.Dropdown(options=(4, 8, 16, 32), value=scenario.block_size,
                                      description="block_size")
         self.scrub = w.Dropdown(options=SCRUB_POLICIES, value=scenario.scrub, description="scrub")
-        self.quota = w.Dropdown(options=[("unlimited" if q == "unlimited" else "default (pool/8)" if q is None
-                                          else str(q), q) for q in QUOTAS],
+        self.quota = w.Dropdown(options=[("default (pool/8)" if q == "default" else str(q), q) for q in QUOTAS],
                                 value=scenario.max_cached_blocks_per_tenant, description="quota")
         self.public = w.Checkbox(value=scenario.public_system, description="system prompt public")
         for c in (self.isolation, self.block_size, self.scrub, self.quota):

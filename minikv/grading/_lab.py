@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from . import guard
+from ._report import CheckFailed
 
 ROOT = Path(__file__).resolve().parents[2]
 #: what a lab solution may not import: the runner's reference gate (:mod:`.guard`), plus every
@@ -136,3 +137,16 @@ def run_sealed(fn, args: list, timeout: float) -> tuple[object, float]:
         return json.loads(p.stdout.rsplit("@@RESULT@@", 1)[1]), took
     except ValueError:
         raise RuntimeError("your function printed '@@RESULT@@' itself") from None
+
+
+def run_graded(fn, args: list, timeout: float, *, error_hint: str, timeout_hint: str) -> tuple[object, float]:
+    """:func:`run_sealed` for a grader: the stub's ``NotImplementedError`` stays one (the grader then
+    says "not implemented yet"); any other error, or a timeout, becomes a failed check with a hint."""
+    try:
+        return run_sealed(fn, args, timeout)
+    except RuntimeError as exc:
+        if str(exc).startswith("NotImplementedError"):
+            raise NotImplementedError(str(exc).split(":", 1)[-1].strip()) from None
+        raise CheckFailed(f"your code raised {exc}", error_hint) from None
+    except TimeoutError as exc:
+        raise CheckFailed(str(exc), timeout_hint) from None

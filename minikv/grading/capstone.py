@@ -14,7 +14,7 @@ The grade passes when everything is found and nothing is a false alarm.
 from __future__ import annotations
 
 from . import guard
-from ._lab import HiddenServer, refuse, run_sealed
+from ._lab import HiddenServer, refuse, run_graded
 from ._report import expect, grader
 from .mystery_fleet import KINDS
 
@@ -50,16 +50,9 @@ def run_capstone(audit_fleet, seed: int | None = None, timeout: float = 300.0):
     expect(why is None, str(why), "audit with the public tools (minikv audit ..., minikv.audit.isolation_server, "
            "minikv.attacks.collisions) and HTTP only, in exercises/capstone_audit.py")
     with HiddenServer("minikv.grading.mystery_fleet", *(["--seed", str(seed)] if seed is not None else [])) as fleet:
-        try:
-            findings, took = run_sealed(audit_fleet, [fleet.info], timeout)
-        except RuntimeError as exc:
-            fleet.close()
-            if str(exc).startswith("NotImplementedError"):
-                raise NotImplementedError(str(exc).split(":", 1)[-1].strip()) from None
-            expect(False, f"your audit raised {exc}", "run it in lesson 12 against the demo fleet first")
-        except TimeoutError as exc:
-            fleet.close()
-            expect(False, str(exc), "one isolation audit per node with rounds=1 is enough")
+        findings, took = run_graded(audit_fleet, [fleet.info], timeout,
+                                    error_hint="run it in lesson 12 against the demo fleet first",
+                                    timeout_hint="one isolation audit per node with rounds=1 is enough")
         key = fleet.reveal()
     return findings, fleet.info, key, took
 

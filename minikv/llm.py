@@ -80,10 +80,12 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list | None = None,
-                 tenant: str | None | list = None) -> list[RequestOutput]:
+                 tenant: str | None | list = None, cache_private: bool | list = False) -> list[RequestOutput]:
         """Complete every prompt; outputs come back in the order of ``prompts``.
 
         ``tenant`` is a tenant name (str), None for the anonymous tenant, or one per prompt.
+        ``cache_private`` (a bool, or one per prompt): the tenant's mark keeping a prompt's cached
+        blocks in its own domain under every policy (``Engine.add_request``).
         """
         prompts = _as_prompt_list(prompts)
         params = _per_prompt(sampling_params if sampling_params is not None else SamplingParams(),
@@ -92,11 +94,12 @@ class LLM:
         for t in tenants:
             if t is not None and not isinstance(t, str):
                 raise TypeError(f"tenant must be a str or None, got {type(t).__name__}")
+        private = _per_prompt(cache_private, len(prompts), "cache_private")
         ids: list[str] = []
         try:
-            for p, sp, t in zip(prompts, params, tenants):
+            for p, sp, t, cp in zip(prompts, params, tenants, private):
                 rid = self.engine.new_request_id()
-                self.engine.add_request(rid, p, sp, tenant=t)
+                self.engine.add_request(rid, p, sp, tenant=t, cache_private=cp)
                 ids.append(rid)
         except Exception:
             for rid in ids:  # all or nothing: a bad prompt must not leave orphans running
@@ -117,14 +120,14 @@ class LLM:
         return self.engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     def chat(self, messages, sampling_params: SamplingParams | None = None,
-             tenant: str | None | list = None) -> list[RequestOutput]:
+             tenant: str | None | list = None, cache_private: bool | list = False) -> list[RequestOutput]:
         """Chat completion: ``messages`` is one conversation (list of {role, content} dicts) or
         a list of them.  :func:`~minikv.engine.chat.render_chat` applies the chat template and
         tokenizes it, refusing (ValueError) a control token such as ``<|im_start|>`` inside a
         message's content: that would let the message forge a turn of another role."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         rendered = [render_chat(self.engine.tokenizer, c) for c in convs]
-        outs = self.generate([ids for ids, _ in rendered], sampling_params, tenant)
+        outs = self.generate([ids for ids, _ in rendered], sampling_params, tenant, cache_private)
         for out, (_, text) in zip(outs, rendered):
             out.prompt = text
         return outs

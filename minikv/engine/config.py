@@ -85,6 +85,10 @@ class EngineConfig:
             Never logged, never returned: it is excluded from ``repr``.
         shared_prefixes: operator-declared public prefixes (str or token lists) whose blocks
             every tenant may share; what follows them stays tenant-keyed.
+        sensitive_prefixes: operator-marked sensitive content (str or token lists): under
+            ``"selective"``, the block where one of them occurs in a prompt and every block after
+            it stay private (never opened or promoted; ``engine/sharing.py``).  Refused under
+            ``"shared"``; ``"tenant"`` and ``"request"`` keep everything private already.
         max_cached_blocks_per_tenant: most cached blocks one tenant may keep, the defense against
             prime-and-probe (an attacker fills the pool with its own cached blocks and counts how
             many a victim's load evicts).  With a quota, a tenant that needs room recycles its
@@ -126,6 +130,7 @@ class EngineConfig:
     scrub: str = "on_alloc"
     engine_secret: bytes | None = field(default=None, repr=False)
     shared_prefixes: tuple = ()
+    sensitive_prefixes: tuple = ()
     max_cached_blocks_per_tenant: int | str | None = None  # None: num_blocks // 8 (see cache_quota)
     selective_strategy: str = "k_tenants"
     selective_k: int = 3
@@ -191,15 +196,11 @@ class EngineConfig:
                             f"got {type(self.enable_prefix_caching).__name__}")
         if self.engine_secret is not None:
             self.engine_secret = check_secret(self.engine_secret, "engine_secret")
-        if isinstance(self.shared_prefixes, (str, bytes)):
-            self.shared_prefixes = (self.shared_prefixes,)
-        self.shared_prefixes = tuple(self.shared_prefixes or ())
-        for i, p in enumerate(self.shared_prefixes):  # token ids are checked against the vocabulary later
-            is_text = isinstance(p, str) and p
-            is_ids = isinstance(p, (list, tuple)) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-            if not (is_text or is_ids):
-                raise TypeError(f"shared_prefixes[{i}] must be a non-empty str or list of token ids, "
-                                f"got {show(p)}")
+        self.shared_prefixes = _prefixes("shared_prefixes", self.shared_prefixes)
+        self.sensitive_prefixes = _prefixes("sensitive_prefixes", self.sensitive_prefixes)
+        if self.sensitive_prefixes and self.cache_isolation == "shared":
+            raise ValueError(f"sensitive_prefixes={show(self.sensitive_prefixes)} cannot stay private under "
+                             "cache_isolation='shared'; use 'selective' (or 'tenant', where all is private)")
         self._warn_unsafe()
 
     def default_num_blocks(self, bytes_per_token: int, max_model_len: int) -> int:
@@ -252,6 +253,22 @@ class EngineConfig:
 def _check_choice(name: str, value: Any, choices: tuple) -> None:
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"{name}={show(value)} is not valid; choose one of {', '.join(map(repr, choices))}")
+
+
+def _prefixes(name: str, value: Any) -> tuple:
+    """``value`` as a tuple of non-empty str or token-id lists (one str alone is one prefix);
+    token ids are checked against the vocabulary by the engine, which has it."""
+    if value is None or isinstance(value, str):
+        value = (value,) if value else ()
+    elif not isinstance(value, (list, tuple)):
+        raise TypeError(f"{name} must be a str or a list of prefixes, got {type(value).__name__} ({show(value)})")
+    value = tuple(value)
+    for i, p in enumerate(value):
+        is_text = isinstance(p, str) and p
+        is_ids = isinstance(p, (list, tuple)) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+        if not (is_text or is_ids):
+            raise TypeError(f"{name}[{i}] must be a non-empty str or list of token ids, got {show(p)}")
+    return value
 
 
 def _positive_int(name: str, value: Any) -> int:

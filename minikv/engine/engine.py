@@ -89,6 +89,9 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens)
         self._tenant_keys: dict[str | None, bytes] = {}
         self._shared_prefixes = [self.encode_prompt(p)[0] for p in c.shared_prefixes]
+        sensitive = [self.encode_prompt(p)[0] for p in c.sensitive_prefixes]  # checked under every policy
+        if self.sharing is not None:
+            self.sharing.sensitive = sensitive
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._rng = torch.Generator().manual_seed(c.seed)
@@ -152,11 +155,14 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
             raise ValueError(f"{what} {show(bad[0])} is outside the vocabulary [0, {self.model.shape.vocab_size})")
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
-                    tenant: str | None = None) -> None:
+                    tenant: str | None = None, cache_private: bool = False) -> None:
         """Queue a request.  Invalid input raises here, before anything is allocated, so a bad
-        request never disturbs the ones already running."""
+        request never disturbs the ones already running.  ``cache_private=True``: the tenant's
+        mark -- this request's blocks stay in its tenant's domain under every policy (sharing.py)."""
         if tenant is not None and not isinstance(tenant, str):
             raise TypeError(f"tenant must be a str or None, got {type(tenant).__name__}")
+        if not isinstance(cache_private, bool):
+            raise TypeError(f"cache_private must be a bool, got {type(cache_private).__name__} ({show(cache_private)})")
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__} ({show(request_id)})")
         if request_id in self.requests:
@@ -172,17 +178,17 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
             raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
         if len(ids) + 1 > self.num_blocks * self.block_size:
             raise ValueError(f"prompt has {len(ids)} tokens; the whole pool holds {self.num_blocks * self.block_size}")
-        seq = self._new_sequence(request_id, ids, text, params, tenant)
+        seq = self._new_sequence(request_id, ids, text, params, tenant, cache_private)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         self.stats["requests"] += 1
         if self.audit:
             self.audit.request(seq)
 
-    def _new_sequence(self, request_id, ids, text, params, tenant) -> Sequence:
+    def _new_sequence(self, request_id, ids, text, params, tenant, private=False) -> Sequence:
         iso = self.config.cache_isolation
-        seq = Sequence(request_id, ids, params, tenant=tenant, prompt=text,
-                       tenant_key=self.tenant_key(tenant) if iso in ("tenant", "selective") else None,
+        seq = Sequence(request_id, ids, params, tenant=tenant, prompt=text, cache_private=private,
+                       tenant_key=self.tenant_key(tenant) if iso in ("tenant", "selective") or private else None,
                        cacheable=iso != "request")
         seq.public_len = max((common_prefix_len(ids, p) for p in self._shared_prefixes), default=0)
         if self.sharing is not None:

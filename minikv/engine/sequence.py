@@ -37,6 +37,10 @@ class Sequence:
     # public (the ``monitor`` strategy's shared region), and the operator's content fingerprints.
     open_len: int = 0
     content_fps: list[str] = field(default_factory=list, repr=False)
+    # Private marks: the tenant's (add_request(cache_private=True)) and, from the block holding
+    # a match of the operator's sensitive_prefixes (or 0), the first block no strategy shares.
+    cache_private: bool = False
+    private_from: int | None = None
     cacheable: bool = True  # False under cache_isolation="request"
     output_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)

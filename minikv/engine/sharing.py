@@ -33,7 +33,21 @@ strategies are a registry (``STRATEGIES``), chosen by ``EngineConfig.selective_s
     their writer's private domain.  **Before the first flag it is the shared cache**: whatever an
     attack learns in fewer probes than the detector's threshold (8 by default), it keeps.
 
-Blocks inside ``shared_prefixes`` are public under every strategy; quotas, scrubbing,
+**Private marks** (both strategies).  Two marks keep blocks in their writer's private domain
+whatever the strategy would do -- never opened to other tenants, never counted towards a
+promotion, never promoted: a request its *tenant* marks private (``add_request(...,
+cache_private=True)``, ``LLM.generate(..., cache_private=True)``: every block of it), and what
+the *operator* marks sensitive (``EngineConfig.sensitive_prefixes``: token sequences marking
+the start of sensitive content, wherever they occur in a prompt; the block holding a match's
+first token and every block after it).  The request's own tenant still hits those blocks from
+its later private requests (the same tenant key, the same hash); nobody else can, so neither the
+count oracle nor the promotion oracle sees them.  Each mark that applies is a ``private``
+record in the trail (fingerprint of the first private block, the reason; no text).  Under
+``"tenant"`` isolation everything is private already; under UNSAFE ``"shared"`` a
+``cache_private`` request is hashed with its tenant key too (the flag's promise does not
+depend on the policy), and ``sensitive_prefixes`` are refused there (ValueError).
+
+Blocks inside ``shared_prefixes`` are public under every strategy (a private mark included); quotas, scrubbing,
 ``verify_hits`` and the audit trail are unchanged (a re-key changes a block's key, never its
 K/V, holders or state).  Every promotion, flag and isolation is an audit-trail ``sharing`` record
 with keyed fingerprints and no prompt text (``decide``), and every re-keyed block is a ``promote``
@@ -87,8 +101,23 @@ class _Strategy:
         """Content fingerprints of ``seq``'s first ``n_blocks`` full blocks (kept on the sequence)."""
         return content_fingerprints(self._key, seq.token_ids, self.bs, seq.content_fps, n_blocks)
 
+    sensitive: list[list[int]] = []  # the operator's sensitive_prefixes as token ids (set by the engine)
+
     def admit(self, seq) -> None:
-        """Set the domains of a new request's blocks (``seq.public_len`` / ``seq.open_len``)."""
+        """Set the domains of a new request's blocks (``seq.public_len`` / ``seq.open_len``):
+        the strategy's choice, but never past a private mark (``seq.private_from``)."""
+        n = seq.num_prompt_tokens // self.bs
+        start = 0 if seq.cache_private else first_match(seq.prompt_token_ids, self.sensitive)
+        if start is not None:
+            seq.private_from = start // self.bs
+            fps = self.fingerprints(seq, n)[seq.private_from:seq.private_from + 1]
+            self.decide("private", strategy=self.name, tenant=seq.tenant, fps=fps,
+                        reason="cache_private" if seq.cache_private else "sensitive_prefixes",
+                        blocks=max(0, n - seq.private_from))
+        self.open(seq, min(n, seq.private_from if seq.private_from is not None else n))
+
+    def open(self, seq, n: int) -> None:
+        """Open or make public what the strategy shares among the first ``n`` full blocks."""
 
     def finish(self, seq) -> None:
         """A request finished or was aborted."""
@@ -98,9 +127,10 @@ class _Strategy:
         if transition != Transition.STORE or seq is None or not ids:
             return
         pos = {bid: i for i, bid in enumerate(seq.block_table)}
+        limit = seq.private_from if seq.private_from is not None else len(seq.block_table)
         for bid in sorted(ids, key=pos.__getitem__):
             i = pos[bid]
-            if not self.bm.blocks[bid].public:
+            if i < limit and not self.bm.blocks[bid].public:  # a private mark: no demand, no opening
                 self.stored(seq, i, bid, self.fingerprints(seq, i + 1)[i])
 
     def stored(self, seq, i: int, bid: int, fp: str) -> None:
@@ -126,6 +156,13 @@ class _Strategy:
         return self.bm.rekey(bid, os.urandom(32), ident, False, transition, seq)
 
 
+def first_match(ids: list[int], patterns: list[list[int]]) -> int | None:
+    """Where the earliest occurrence of any of ``patterns`` starts in ``ids`` (None: nowhere)."""
+    starts = [s for p in patterns for s in range(len(ids) - len(p) + 1)
+              if ids[s] == p[0] and ids[s:s + len(p)] == p]
+    return min(starts, default=None)
+
+
 def _touch(lru: OrderedDict, key, limit: int):
     """``lru[key]`` made most recent (created as a set when new); the oldest go past ``limit``.
     Forgetting is always safe here: it only makes sharing rarer."""
@@ -147,8 +184,8 @@ class KTenants(_Strategy):
         self.demand: OrderedDict[str, set] = OrderedDict()    # content fp -> tenants that computed it
         self.promoted: OrderedDict[str, set] = OrderedDict()  # content fps now public
 
-    def admit(self, seq) -> None:
-        fps = self.fingerprints(seq, seq.num_prompt_tokens // self.bs)
+    def open(self, seq, limit: int) -> None:
+        fps = self.fingerprints(seq, limit)[:limit]
         n = 0
         while n < len(fps) and fps[n] in self.promoted:
             _touch(self.promoted, fps[n], self.max_tracked)
@@ -185,10 +222,10 @@ class Monitor(_Strategy):
         self.open_blocks: dict[int, tuple[int, list[str], int]] = {}  # bid -> (generation, fps, index)
         self.num_flags = 0
 
-    def admit(self, seq) -> None:
+    def open(self, seq, limit: int) -> None:
         if seq.tenant in self.flagged_tenants:
             return  # its domain key everywhere (shared_prefixes aside)
-        fps = self.fingerprints(seq, seq.num_prompt_tokens // self.bs)
+        fps = self.fingerprints(seq, limit)[:limit]
         n = next((j + 1 for j, fp in enumerate(fps) if fp[:16] in self.flagged_prefixes), len(fps))
         seq.open_len = n * self.bs
 

@@ -69,9 +69,23 @@ def target_name(fn) -> str:
     return f"{mod}:{qual}"
 
 
-def _env() -> dict:
+def _import_root(fn) -> str | None:
+    """The folder a fresh interpreter needs on its path to import ``fn``'s module the way this
+    one did: a learner's package may live outside the project (a submissions folder)."""
+    name = getattr(fn, "__module__", "") or ""
+    file = getattr(sys.modules.get(name), "__file__", None)
+    if not file:
+        return None
+    root = Path(file).resolve().parent
+    for _ in range(name.count(".")):
+        root = root.parent
+    return str(root)
+
+
+def _env(*first: str | None) -> dict:
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    paths = [p for p in (str(ROOT), *first, env.get("PYTHONPATH", "")) if p]
+    env["PYTHONPATH"] = os.pathsep.join(paths)
     env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
@@ -127,7 +141,8 @@ def run_sealed(fn, args: list, timeout: float) -> tuple[object, float]:
     t0 = time.monotonic()
     try:
         p = subprocess.run([sys.executable, "-c", code, target_name(fn)], input=json.dumps(args),
-                           capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=_env())
+                           capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                           env=_env(_import_root(fn)))
     except subprocess.TimeoutExpired:
         raise TimeoutError(f"your code ran longer than {timeout:.0f} s") from None
     took = time.monotonic() - t0

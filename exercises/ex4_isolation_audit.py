@@ -3,14 +3,14 @@
 # then run `make grade` (or the check cell in the lesson).  The imports below are the ones the
 # reference solution uses.  Course maintainers: edit solutions/ex4_isolation_audit.py and regenerate; never
 # edit this file by hand.
-# minikv-stub: fe8cd0c3e50fae1e
+# minikv-stub: 8c28afb4de90cb5a
 """Exercise 4 (lesson 08): an isolation audit that checks BOTH directions.
 
 Run a multi-tenant workload against an engine -- requests of different tenants in the same
 batches -- and report whether any tenant's request was served from another tenant's cache.
 
-The trap is the one SGLang #23300 fell into: a test that only checks "the other tenant got no
-cache hit" also passes when *nothing* is ever cached (the salt never reached the scheduler, the
+The trap (vLLM docs PR #53347 spells it out): a test that only checks "the other tenant got no
+cache hit" also passes when *nothing* is ever cached (the key never reaches the cache, the
 cache is off, or the test cannot see hits).  So an audit needs both directions:
 
 * cross-tenant cached tokens must be 0, else the verdict is ``"fail"``;

@@ -70,7 +70,7 @@ def test_tenant_isolation_passes_and_sees_hits(tiny_path):
 
 def test_one_sided_audit_is_insufficient_without_caching(tiny_path):
     """Caching off: nothing can leak, but nothing can be *seen* either.  A one-sided auditor
-    (cross-tenant == 0 -> pass) passes; ours must say inconclusive (SGLang #23300)."""
+    (cross-tenant == 0 -> pass) passes; ours must say inconclusive (vLLM docs PR #53347)."""
     r = audit_engine(engine_kwargs(tiny_path, enable_prefix_caching=False))
     assert r.cross_tenant_cached_tokens == 0 and r.same_tenant_cached_tokens == 0
     assert one_sided_verdict(r) == PASS  # the insufficient check is fooled ...

@@ -1,8 +1,8 @@
 """Tenant isolation, scrubbing, hash collisions and shared prefixes, end to end in the engine.
 
 Isolation is always tested in both directions: a different tenant must NOT hit, and the same
-tenant MUST hit (SGLang #23300 passed a one-sided test while its salt never reached the
-scheduler: a test that only looks for the absence of hits also passes when nothing is cached).
+tenant MUST hit (the point of vLLM docs PR #53347: a test that only looks for the absence of
+hits also passes when nothing is cached).
 """
 from __future__ import annotations
 

@@ -27,9 +27,9 @@ possible origin:
 
 The verdict needs **both directions**.  Cross-tenant cached tokens must be 0 -- else ``fail``.
 But 0 alone proves nothing: if the cache never hits at all (caching off, per-request
-isolation, or an audit that cannot see hits), a cross-tenant check "passes" vacuously.  SGLang
-#23300 is the cautionary tale: a one-sided isolation test passed while the salt never reached
-the scheduler.  So same-tenant cached tokens must be > 0, proving that this very audit *could*
+isolation, or an audit that cannot see hits), a cross-tenant check "passes" vacuously.  vLLM's
+docs PR #53347 makes this point: a one-sided "different salt, no reuse" test also passes when
+caching is off.  So same-tenant cached tokens must be > 0, proving that this very audit *could*
 see a hit; otherwise the verdict is ``inconclusive``, never ``pass``.
 
 Two modes

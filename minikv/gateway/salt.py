@@ -4,7 +4,7 @@ vLLM's answer to cross-tenant prefix-cache probing (CVE-2025-46570) is ``cache_s
 of the request body that vLLM mixes into the hash of the first KV block, so requests with
 different salts can never hit each other's blocks.  But a body field is written by whoever
 writes the request: a client can copy a victim's salt and share its cache again (vLLM's
-documentation debate, issue #53347; PR #57609 proposes an ``X-Cache-Salt`` header that wins
+documentation debate, docs PR #53347; PR #57609 proposes an ``X-Cache-Salt`` header that wins
 over the body).  The salt is only a defense when *the server side* chooses it.  This module
 is that server side, for a gateway:
 

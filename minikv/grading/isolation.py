@@ -86,7 +86,7 @@ def check_audit_verdict(audit_verdict) -> str:
     for (cross, same), want in CASES:
         got = audit_verdict(cross, same)
         why = {"inconclusive": "the audit never saw a cache hit, so 0 cross-tenant hits proves nothing "
-                               "(SGLang #23300: the salt never reached the scheduler and a one-sided test passed)",
+                               "(vLLM docs PR #53347: a one-sided test also passes when caching is off)",
                "fail": "any cross-tenant cached token is a leak", "pass": "no leak, and the audit could see hits"}[want]
         expect(got == want, f"audit_verdict(cross={cross}, same={same}) returned {got!r}, expected {want!r}: {why} "
                f"(bug class: {verdict_bug_class(got, want)})")

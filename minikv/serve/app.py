@@ -12,7 +12,7 @@ server** from the API key in ``Authorization: Bearer <key>`` (a JSON file maps k
 No field of the request body can choose or change it: ``cache_salt``, ``tenant``, ``user`` and
 the like are ignored.  vLLM's answer to cross-tenant cache probing is a client-supplied
 ``cache_salt``; a salt travels in request bodies, SDK configs and logs, and whoever copies it
-shares the victim's cache again (vLLM issue #53347).  A key that only the server derives from
+shares the victim's cache again (vLLM docs PR #53347).  A key that only the server derives from
 (engine secret, authenticated tenant) cannot be copied by a client, because no client ever sees
 it.  Keys are compared in constant time (:mod:`minikv.serve.auth`), so response timing does not
 reveal how much of a guessed key was right.  (``--trust-client-salt`` lets ``cache_salt`` *narrow*

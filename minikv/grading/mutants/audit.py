@@ -54,7 +54,7 @@ def _good_verdict(cross, same):
 
 
 def audit_one_direction(llm, tenants=("alice", "bob", "carol"), doc_blocks=3, seed=0):
-    """The right workload with a one-directional verdict (SGLang #23300's test)."""
+    """The right workload with a one-directional verdict (the one-sided test vLLM docs PR #53347 warns about)."""
     docs, fresh, bs = _docs(llm, list(tenants), seed)
     tenants = list(tenants)
     cross = same = 0

@@ -61,6 +61,7 @@ def test_stub_fails_as_not_implemented(capsys):
 @pytest.mark.parametrize("name,fn,why", [
     ("isolation_only", LAB_MUTANTS["C"][0][1], "tenant_key_dropped   MISSED"),
     ("public_hits_are_leaks", LAB_MUTANTS["C"][1][1], "FALSE ALARM"),
+    ("collision_across_tenants", LAB_MUTANTS["C"][2][1], "weak_hash            MISSED"),
 ])
 def test_mutant_audits_get_per_finding_feedback(name, fn, why, capsys):
     assert not capstone.check_capstone(fn, seed=ALL_FOUR)

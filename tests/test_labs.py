@@ -61,11 +61,20 @@ def test_timing_solution_cost_does_not_depend_on_the_secret(capsys):
         assert f"with {round(labs_oracle.TIMING_REFERENCE_PPT * 4)} probes" in out and "0 answers self-primed" in out
 
 
-@pytest.mark.parametrize("name,fn", [(n, f) for n, f, _ in mutants.LAB_MUTANTS["L2"]])
-def test_l2_rejects_self_primed_attacks(name, fn, capsys):
+@pytest.mark.parametrize("name,fn,why", [
+    ("back_to_back", mutants.timing_back_to_back, "self-priming"),
+    ("rounds_no_flush", mutants.timing_rounds_no_flush, "self-priming"),
+    ("hard_coded", mutants.timing_hard_coded, "the secret was"),
+])
+def test_l2_rejects_mutants_with_the_right_diagnosis(name, fn, why, capsys):
     ok, out = run(labs_oracle.check_timing_attack, fn, capsys, seed=3)
     assert not ok, out
-    assert "self-priming" in out, out
+    assert why in out, out
+
+
+def test_every_lab_check_has_at_least_three_mutants():
+    assert {lab: len(cases) >= 3 for lab, cases in mutants.LAB_MUTANTS.items()} == \
+        {"L1": True, "L2": True, "L3": True, "C": True}
 
 
 def test_forbidden_imports_are_refused(tmp_path, monkeypatch, capsys):

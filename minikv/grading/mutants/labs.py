@@ -90,6 +90,14 @@ def timing_rounds_no_flush(card):
     return found
 
 
+def timing_hard_coded(card):
+    """Times one probe, then returns the secret that worked once (a fixed answer): the grader
+    draws a fresh secret every time."""
+    with OracleClient(card) as oracle:
+        oracle.ttft_ms(card["prefix"] + "#")
+    return "4821"[:card["secret_len"]]
+
+
 # ============================================================================ L3 detector
 def _summaries(records):
     by = defaultdict(list)
@@ -150,7 +158,8 @@ def detect_exact_prefix(records, block_size, threshold=8):
 LAB_MUTANTS = {
     "L1": entries(("no_filler", oracle_no_filler), ("double_check", oracle_double_check),
                   ("hard_coded", oracle_hard_coded)),
-    "L2": entries(("back_to_back", timing_back_to_back), ("rounds_no_flush", timing_rounds_no_flush)),
+    "L2": entries(("back_to_back", timing_back_to_back), ("rounds_no_flush", timing_rounds_no_flush),
+                  ("hard_coded", timing_hard_coded)),
     "L3": entries(("counts_requests", detect_counts_requests), ("across_tenants", detect_across_tenants),
                   ("prefix_only", detect_prefix_only), ("exact_prefix", detect_exact_prefix)),
 }
@@ -197,5 +206,8 @@ def audit_public_hits_are_leaks(fleet):
     return out
 
 
+from .capstone_collision import audit_collision_across_tenants  # noqa: E402  (imports minikv.attacks, which the labs forbid)
+
 LAB_MUTANTS["C"] = entries(("isolation_only", audit_isolation_only),
-                           ("public_hits_are_leaks", audit_public_hits_are_leaks))
+                           ("public_hits_are_leaks", audit_public_hits_are_leaks),
+                           ("collision_across_tenants", audit_collision_across_tenants))

@@ -12,9 +12,9 @@ import random
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from minikv import LLM
+from minikv.bench_engine import count_decode_ops as decode_step_ops  # what the benchmark prints
 from minikv.engine import SamplingParams
 from minikv.engine.attention_backends import ATTENTION_BACKENDS, BACKENDS, resolve_backend
 from minikv.engine.model_runner import FORWARDS
@@ -121,29 +121,6 @@ def test_an_installed_seam_runs_the_reference_gather():
     while fused.has_unfinished_requests():
         fused.step()
     assert seen and set(seen) == set(range(fused.model.shape.num_layers))
-
-
-def decode_step_ops(engine, batch=16, seed=0) -> dict[str, int]:
-    """Aten ops dispatched from Python (top-level, nested ones not counted) in one decode step of
-    ``batch`` sequences; what the benchmark prints for SmolLM2.  Returns counts by op name."""
-    rng = random.Random(seed)
-    vocab = engine.model.shape.vocab_size
-    p = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(f"ops{i}", [rng.randrange(3, vocab) for _ in range(rng.randint(20, 60))], p)
-    while engine.scheduler.waiting or any(s.num_computed_tokens == 0 for s in engine.scheduler.running):
-        engine.step()
-    engine.step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        engine.step()
-    counts: dict[str, int] = {}
-    for e in prof.events():
-        parent = e.cpu_parent
-        if e.name.startswith("aten::") and (parent is None or not parent.name.startswith("aten::")):
-            counts[e.name] = counts.get(e.name, 0) + 1
-    while engine.has_unfinished_requests():
-        engine.step()
-    return counts
 
 
 def _with_layers(engine, n: int, backend: str):

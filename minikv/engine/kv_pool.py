@@ -49,6 +49,10 @@ class KVPool:
         flat = ((num_blocks + 1) * block_size, num_kv_heads, head_dim)
         self.k_slots = [self._k[i].view(flat) for i in range(num_layers)]
         self.v_slots = [self._v[i].view(flat) for i in range(num_layers)]
+        # ... and with one row per *block* ([num_blocks + 1, block_size, kv_heads, head_dim]):
+        # what gathers read.  Copying whole blocks with ``index_select`` moves the same bytes as
+        # indexing every slot, 2-3x faster on the CPU (one memcpy per block, not per slot).
+        self.k_blocks, self.v_blocks = list(self._k.unbind(0)), list(self._v.unbind(0))
 
     @property
     def pad_block(self) -> int:
@@ -74,8 +78,9 @@ class KVPool:
         [B, max_blocks * block_size, kv_heads, head_dim].  Slots past a sequence's length hold
         stale data, and pad-block slots zeros; attention must mask them (``attention.context_mask``)."""
         b, n = block_tables.shape  # may name the pad block (id num_blocks): zeros
-        k = self._k[layer][block_tables].reshape(b, n * self.block_size, self.num_kv_heads, self.head_dim)
-        v = self._v[layer][block_tables].reshape(b, n * self.block_size, self.num_kv_heads, self.head_dim)
+        ids = block_tables.flatten()
+        k = self.k_blocks[layer].index_select(0, ids).view(b, n * self.block_size, self.num_kv_heads, self.head_dim)
+        v = self.v_blocks[layer].index_select(0, ids).view(b, n * self.block_size, self.num_kv_heads, self.head_dim)
         return k, v
 
     def read_block(self, block_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -89,6 +89,48 @@ def test_fused_score_matches_reference_at_every_position(device):
     assert (a - b).abs().max().item() <= TOL * a.abs().max().item()
 
 
+def test_decodes_of_very_different_lengths_split_into_two_groups(monkeypatch):
+    """Short and long contexts decoding together: the fused plan orders decode rows by context
+    length and splits them into two groups (a short one no longer pays for the long one's
+    width).  Logits still match the reference row for row, in the caller's order."""
+    import minikv.engine.model_runner as mr
+
+    ref = LLM("tiny-random", device="cpu", dtype="float32", attention_backend="reference", num_blocks=256)
+    fused = ref.fork(attention_backend="fused").engine
+    seen = []
+
+    def spy(*args, **kwargs):
+        plan = build_plan(*args, **kwargs)
+        seen.append([(g.kind, g.mask.shape[0] if g.mask is not None else 1) for g in plan.groups])
+        return plan
+
+    build_plan = mr.build_plan
+    monkeypatch.setattr(mr, "build_plan", spy)
+    rng = random.Random(3)
+    lengths = [600, 9, 610, 12, 590, 7, 605, 11]  # long and short interleaved: sorting reorders rows
+    prompts = [[rng.randrange(3, 259) for _ in range(n)] for n in lengths]
+    runs = []
+    for engine in (ref.engine, fused):
+        engine.logit_trace = []
+        p = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, p)
+        tokens = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    tokens[out.request_id] = out.outputs[0].token_ids
+        runs.append((engine.logit_trace, tokens))
+    decode_steps = [kinds for kinds in seen if kinds and all(k == "decode" for k, _ in kinds)]
+    assert decode_steps and all(kinds == [("decode", 4), ("decode", 4)] for kinds in decode_steps), seen
+    (trace_r, tokens_r), (trace_f, tokens_f) = runs
+    assert tokens_r == tokens_f and len(tokens_r) == 8
+    for step_r, step_f in zip(trace_r, trace_f):
+        assert sorted(step_r) == sorted(step_f)
+        for rid, row in step_r.items():
+            assert (row - step_f[rid]).abs().max().item() <= TOL * row.abs().max().item(), rid
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fused_bf16_on_cuda_stays_close_to_reference():
     """bf16: the two paths round differently; they must still agree to 2% of the largest logit."""

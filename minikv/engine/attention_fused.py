@@ -21,8 +21,8 @@ largest logit in fp32, greedy tokens identical) with three changes:
   from the pool, with an additive mask, and grouped-query attention folded into the query length
   (the ``rep`` query heads of one KV head become ``rep`` query rows), so never ``enable_gqa``
   with a mask: on CUDA that pair falls back to SDPA's slow math kernel.
-* **Fewer ops per layer.**  RoPE is ``x * cos + roll(x) * sin`` over q, k and v at once (v's
-  table is cos 1, sin 0); residual adds are in place; ``rms_norm`` is one op; the pool already
+* **Fewer ops per layer.**  RoPE is ``x * cos + roll(x) * sin`` (rotate-half's sign folded
+  into the sine table); residual adds are in place; ``rms_norm`` is one op; the pool already
   has the model's dtype, so nothing is cast.  A decode-only step goes further (fused
   multiply-adds, residuals inside the matmul): see :func:`fused_forward`.
 
@@ -42,6 +42,11 @@ import torch.nn.functional as F
 # A prefix-hit group is split into one group per sequence when padding it to its longest member
 # would more than double the query rows (one 4,000-token tail among short ones, say).
 MAX_PAD_FACTOR = 2.0
+# Decodes are split into two groups when that saves gathering at least this many blocks per layer.
+# An extra group costs about ten ops per layer (~50 us on the 2-core CPU), a gathered block of
+# SmolLM2 (K and V, 16 tokens) a few microseconds; 16 prompts of 128-473 tokens save ~90 blocks
+# (3-4% of a decode step, measured), while short contexts never split.
+MIN_BLOCKS_SAVED = 32
 
 
 @dataclass
@@ -67,8 +72,8 @@ class FusedPlan:
     """Everything the fused layers need about one step, built once (:func:`build_plan`)."""
 
     slots: torch.Tensor  # [T] pool slot of each new token
-    cos: torch.Tensor  # [T, q_heads + 2 * kv_heads, head_dim]: 1 on v's heads
-    sin: torch.Tensor  # same shape, rotate-half's sign folded in: 0 on v's heads
+    cos: torch.Tensor  # [T, 1, head_dim]; decode-only steps: [T, q_heads + 2 * kv_heads, head_dim], 1 on v's heads
+    sin: torch.Tensor  # same shape, rotate-half's sign folded in (decode-only: 0 on v's heads)
     groups: list[Group]
     exact: bool = True  # a prefill is in the step: keep transformers' op order (see fused_forward)
 
@@ -121,10 +126,11 @@ def build_plan(model, positions: torch.Tensor, slots: torch.Tensor, prefills: li
     s, device, dtype = model.shape, model.device, model.dtype
     cos, sin = model.rotary(positions)  # [T, 1, D], the model's dtype
     half = s.head_dim // 2
-    sign = torch.cat([-torch.ones(half, dtype=dtype, device=device), torch.ones(half, dtype=dtype, device=device)])
-    qk, t = s.num_heads + s.num_kv_heads, positions.shape[0]
-    cos = torch.cat([cos.expand(t, qk, -1), cos.new_ones(t, s.num_kv_heads, s.head_dim)], dim=1)
-    sin = torch.cat([(sin * sign).expand(t, qk, -1), sin.new_zeros(t, s.num_kv_heads, s.head_dim)], dim=1)
+    sin = sin * torch.cat([-sin.new_ones(half), sin.new_ones(half)])  # rotate-half's sign, folded in
+    if not prefills:  # decode only: tables over q, k *and* v heads (v: cos 1, sin 0), one op ropes all
+        qk, t = s.num_heads + s.num_kv_heads, positions.shape[0]
+        cos = torch.cat([cos.expand(t, qk, -1), cos.new_ones(t, s.num_kv_heads, s.head_dim)], dim=1)
+        sin = torch.cat([sin.expand(t, qk, -1), sin.new_zeros(t, s.num_kv_heads, s.head_dim)], dim=1)
     kw = dict(block_size=block_size, pad_block=pad_block, rep=s.num_heads // s.num_kv_heads,
               dtype=dtype, device=device)
     groups = []
@@ -137,10 +143,21 @@ def build_plan(model, positions: torch.Tensor, slots: torch.Tensor, prefills: li
         chunks = [mine] if padded_ok else [[p] for p in mine]  # fresh: always one per sequence
         for c in chunks:
             groups.append(_group(kind, [p[0] for p in c], [p[1] for p in c], [p[2] for p in c], [p[3] for p in c], **kw))
-    if decodes:
-        groups.append(_group("decode", [d[0] for d in decodes], [1] * len(decodes), [d[1] for d in decodes],
-                             [d[2] for d in decodes], **kw))
+    for c in _split_decodes(decodes, block_size):
+        groups.append(_group("decode", [d[0] for d in c], [1] * len(c), [d[1] for d in c], [d[2] for d in c], **kw))
     return FusedPlan(slots, cos, sin, groups, exact=bool(prefills))
+
+
+def _split_decodes(decodes: list[tuple], block_size: int) -> list[list[tuple]]:
+    """The decodes (sorted by context length, rows in that order) as one group, or two when that
+    saves gathering ``MIN_BLOCKS_SAVED`` blocks: a group reads ``S * width`` blocks, width being
+    its longest context, so short contexts batched with a long one pay for its length."""
+    if len(decodes) < 2:
+        return [decodes] if decodes else []
+    widths = [-(-d[1] // block_size) for d in decodes]
+    one = len(widths) * widths[-1]
+    cost, i = min((i * widths[i - 1] + (len(widths) - i) * widths[-1], i) for i in range(1, len(widths)))
+    return [decodes[:i], decodes[i:]] if one - cost >= MIN_BLOCKS_SAVED else [decodes]
 
 
 def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool, plan: FusedPlan,
@@ -209,11 +226,12 @@ def fused_forward(model, input_ids: torch.Tensor, pool, plan: FusedPlan) -> torc
     for i, L in enumerate(model.layers):
         h = F.rms_norm(x, norm, L.input_norm, s.rms_eps)
         qkv = F.linear(h, L.qkv, L.qkv_bias).view(t, -1, dim)
-        if exact:  # RoPE on q and k: x * cos + rotate_half(x) * sin (v's table: cos 1, sin 0)
-            qkv = (qkv * plan.cos).add_(qkv.roll(dim // 2, -1) * plan.sin)
-        else:
+        if exact:  # RoPE on q and k: x * cos + rotate_half(x) * sin, tables broadcast over heads
+            qk, v = qkv.split([s.num_heads + s.num_kv_heads, s.num_kv_heads], dim=1)
+            q, k = (qk * plan.cos).add_(qk.roll(dim // 2, -1) * plan.sin).split(split[:2], dim=1)
+        else:  # the same over q, k and v at once (v's table: cos 1, sin 0), multiply-adds fused
             qkv = (qkv * plan.cos).addcmul_(qkv.roll(dim // 2, -1), plan.sin)
-        q, k, v = qkv.split(split, dim=1)
+            q, k, v = qkv.split(split, dim=1)
         pool.k_slots[i].index_copy_(0, plan.slots, k)
         pool.v_slots[i].index_copy_(0, plan.slots, v)
         x = _residual(x, attend(i, q, k, v, pool, plan, model.scale), L.o_proj, L.o_bias, exact)

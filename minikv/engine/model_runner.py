@@ -28,7 +28,9 @@ def prepare_inputs(prefills: list[Sequence], decodes: list[Sequence], block_size
     backend's :class:`~minikv.engine.attention_fused.FusedPlan`.  Decode block tables are padded
     with ``pad_block``, the pool's reserved always-zero block (``KVPool.pad_block``), never with
     a block some request owns."""
-    ids, pos, slots, items, last_rows = [], [], [], [], []
+    if model is not None:  # fused: decode rows by context length, so groups of similar length are slices
+        decodes_in_order, decodes = decodes, sorted(decodes, key=lambda s: s.num_tokens)
+    ids, pos, slots, items, row_of = [], [], [], [], {}
     for seq in prefills + decodes:
         start, end = seq.num_computed_tokens, seq.num_tokens
         if len(items) < len(prefills):
@@ -37,7 +39,8 @@ def prepare_inputs(prefills: list[Sequence], decodes: list[Sequence], block_size
         pos.extend(range(start, end))
         # A token at position p lives in slot p % block_size of logical block p // block_size.
         slots.extend(seq.block_table[p // block_size] * block_size + p % block_size for p in range(start, end))
-        last_rows.append(len(ids) - 1)
+        row_of[id(seq)] = len(ids) - 1
+    last_rows = [row_of[id(seq)] for seq in prefills + (decodes_in_order if model is not None else decodes)]
     input_ids, positions = to_device(ids, torch.long, device), to_device(pos, torch.long, device)
     slots_t, last_rows_t = to_device(slots, torch.long, device), to_device(last_rows, torch.long, device)
     if model is not None:

@@ -14,7 +14,8 @@ as the vLLM worker, passing the prompts through a JSON file, so both sides see t
 ids.  vLLM's offline ``LLM`` starts worker processes, hence the ``__main__`` guard below.
 
 TTFT is measured the same way on both sides: the wall time of one request with ``max_tokens=1``
-(median of 3).  Throughput: generated tokens over wall time (median of 2, after a warm-up).
+(median of 3).  Throughput: generated tokens over wall time (median of 2, after a warm-up), each run
+from an empty prefix cache (both engines' ``reset_prefix_cache``), so every prompt is prefilled.
 Every ratio is printed beside both absolutes; the figures are the machine's at that moment, so
 run it on a quiet machine (the load average is printed).  vLLM's CPU build needs AVX512-BF16 for
 bf16; where it cannot run a dtype, that dtype's line says why and the exit status is 1.
@@ -45,12 +46,19 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure(generate, work: dict) -> dict:
-    """``generate(prompts, max_tokens) -> generated token count``: throughput and TTFT figures."""
+def measure(generate, reset, work: dict) -> dict:
+    """``generate(prompts, max_tokens) -> generated token count``: throughput and TTFT figures.
+    ``reset()`` empties the engine's prefix cache: each timed throughput run prefills every prompt
+    (a repeat of the same prompts would otherwise be served from the cache, on both sides)."""
     prompts, max_tokens = work["prompts"], work["max_tokens"]
     generate(prompts[:2], 4)  # warm-up
+
+    def run():
+        reset()
+        generate(prompts, max_tokens)
+
     total = len(prompts) * max_tokens
-    seconds = _median_time(lambda: generate(prompts, max_tokens), 2)
+    seconds = _median_time(run, 2)
     system, questions = work["system"], work["questions"]
     generate([system + questions[0]], 1)  # primes the cache with the system prompt
     hit = _median_time(lambda: generate([system + questions[1]], 1), 3)
@@ -74,7 +82,7 @@ def vllm_worker(model: str, dtype: str, work_path: str, out_path: str) -> None:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return sum(len(o.outputs[0].token_ids) for o in outs)
 
-    Path(out_path).write_text(json.dumps(measure(generate, work)))
+    Path(out_path).write_text(json.dumps(measure(generate, llm.reset_prefix_cache, work)))
 
 
 def minikv_side(model_name: str, dtype: str, work: dict) -> dict:
@@ -87,7 +95,7 @@ def minikv_side(model_name: str, dtype: str, work: dict) -> dict:
         outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
         return sum(len(o.outputs[0].token_ids) for o in outs)
 
-    return {**measure(generate, work), "backend": llm.engine.attention_backend}
+    return {**measure(generate, llm.engine.reset_prefix_cache, work), "backend": llm.engine.attention_backend}
 
 
 def main(argv=None) -> int:

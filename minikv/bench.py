@@ -42,7 +42,7 @@ import warnings
 
 import torch
 
-from .bench_engine import decode_ops, format_engine, prefill_efficiency, random_prompts, throughput
+from .bench_engine import decode_ops, format_engine, prefill_efficiency, random_prompts, throughput, weight_pass_s
 from .engine import SamplingParams, UnsafeSettingWarning
 from .llm import LLM
 from .models.hub import resolve_model
@@ -85,7 +85,7 @@ def bench_ttft(model: str, device, dtype, repeats=3, seed=0) -> dict:
         misses.append(miss.metrics.ttft_s)
     return {"ttft_hit_over_miss": statistics.median(hits) / statistics.median(misses), "repeats": repeats,
             "hit_ms": 1000 * statistics.median(hits), "miss_ms": 1000 * statistics.median(misses),
-            "system_prompt_tokens": len(system)}
+            "system_prompt_tokens": len(system), "weight_pass_ms": 1000 * weight_pass_s(llm.engine.model)}
 
 
 def bench_isolation(llm: LLM, tenants=(1, 4, 16, 64), seed=0) -> dict:

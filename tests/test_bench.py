@@ -35,6 +35,7 @@ def test_bench_report_holds_every_figure_beside_its_ratio(tmp_path, capsys):
     assert t["hit_ms"] > 0 and t["miss_ms"] > 0
     assert math.isclose(t["ttft_hit_over_miss"], t["hit_ms"] / t["miss_ms"])
     assert f"{t['hit_ms']:8.1f} ms" in text and f"{t['miss_ms']:8.1f} ms" in text
+    assert 0 < t["weight_pass_ms"] and f"{t['weight_pass_ms']:8.1f} ms" in text  # the hit's floor, printed
     ops = report["ops"]
     assert ops["batch"] == 16 and 0 < ops["fused"]["aten_ops"] < ops["reference"]["aten_ops"]
     assert ops["fused"]["casts"] < ops["reference"]["casts"]

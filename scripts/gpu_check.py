@@ -10,7 +10,8 @@ and the byte-level test tokenizer, saves it to a temporary directory and checks 
    backends in fp32 (within 1e-4 of the largest logit: CUDA kernels may pick other reduction orders
    than transformers' calls, so the CPU's 1e-5 is not asked here) and bf16 (within 8% of the
    largest logit), greedy tokens of a batch identical to transformers';
-2. the CUDA tests (``pytest -k cuda`` over the engine's attention tests: they skip on a CPU);
+2. the CUDA tests (``pytest -k cuda`` over the engine's attention and CUDA-graph tests: they
+   skip on a CPU), and that the greedy run's decode steps were CUDA graph replays;
 3. ``python -m minikv.bench --device cuda`` on that model in bf16 and fp32: throughput against
    transformers, TTFT, prefill FLOP/s against the measured matmul peak, ops and kernels per
    decode step.
@@ -96,6 +97,9 @@ def check_correctness(path: Path) -> list[tuple[str, bool, str]]:
                 same += out[0, len(p):].tolist() == g
             results.append(("greedy tokens fp32 (fused, batch of 4) == transformers", same == len(prompts),
                             f"{same}/{len(prompts)} sequences identical"))
+            g = llm.engine.graphs  # those decode steps ran as CUDA graph replays (cuda_graphs.py)
+            results.append(("CUDA graphs ran the decode steps", g is not None and g.replays > 0,
+                            f"{g.captures} captures, {g.replays} replays" if g is not None else "no graph runner"))
         del hf
         torch.cuda.empty_cache()
     return results
@@ -128,9 +132,9 @@ def main(argv=None) -> int:
         results = check_correctness(path)
         rc, out, secs = run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-k", "cuda",
                              "tests/test_attention_fused.py", "tests/test_attention_pad_block.py",
-                             "tests/test_sampling_batched.py"], timeout=150)
+                             "tests/test_sampling_batched.py", "tests/test_cuda_graphs.py"], timeout=150)
         tail = out.strip().splitlines()[-1] if out.strip() else ""
-        results.append(("pytest -k cuda (attention, pad block, sampling)", rc == 0, f"{tail} ({secs:.0f} s)"))
+        results.append(("pytest -k cuda (attention, pad block, sampling, graphs)", rc == 0, f"{tail} ({secs:.0f} s)"))
         bench = {}
         if not args.skip_bench:
             report = Path(tmp) / "bench.json"

@@ -47,6 +47,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = True
     g.add_argument("--kv-cache-memory-gb", type=float, help="KV pool budget when --num-blocks is not given")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS,
                    help="reference (explicit gather), fused (batched, per-step metadata) or auto (default: fused)")
+    g.add_argument("--enforce-eager", action="store_true", default=None,
+                   help="never capture CUDA graphs for decode steps (default: captured on CUDA)")
     s = p.add_argument_group("cache policy")
     s.add_argument("--enable-prefix-caching", action="store_true", default=None,
                    help="reuse the KV of identical prefix blocks (within the isolation domain)")
@@ -77,8 +79,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = True
 
 
 _FIELDS = ("model", "device", "dtype", "seed", "block_size", "num_blocks", "max_num_seqs",
-           "max_num_batched_tokens", "max_model_len", "kv_cache_memory_gb", "attention_backend", "enable_prefix_caching",
-           "cache_isolation", "hash_algo", "chain_hashes", "scrub", "max_cached_blocks_per_tenant",
+           "max_num_batched_tokens", "max_model_len", "kv_cache_memory_gb", "attention_backend", "enforce_eager",
+           "enable_prefix_caching", "cache_isolation", "hash_algo", "chain_hashes", "scrub", "max_cached_blocks_per_tenant",
            "audit_log", "audit_level")
 
 _FIELDS += ("selective_strategy", "selective_k")

@@ -35,4 +35,6 @@ def resolve_backend(name: str, device_type: str) -> str:
         raise ValueError(f"attention_backend={name!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
     if name != "auto":
         return name
-    return "fused"  # CPU and CUDA alike; on CUDA, decode steps are also graph-captured (cuda_graphs.py)
+    # CPU and CUDA alike.  On CUDA, the fused backend's decode-only steps replay CUDA graphs
+    # (cuda_graphs.py) unless enforce_eager; steps with a prefill run eagerly everywhere.
+    return "fused"

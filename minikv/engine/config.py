@@ -60,6 +60,8 @@ class EngineConfig:
         attention_backend: ``"reference"`` (the explicit gather the lessons read), ``"fused"``
             (per-step metadata, batched attention) or ``"auto"`` (fused; never compiles); see
             ``attention_backends.py``.  Both compute the same logits.
+        enforce_eager: never run CUDA graphs (vLLM's name and meaning); by default a decode-only
+            step of the fused backend on CUDA replays one (``cuda_graphs.py``).
 
     Isolation (see ``minikv.security``)
         cache_isolation: ``"tenant"`` (hits only within a tenant), ``"request"`` (no reuse
@@ -123,6 +125,7 @@ class EngineConfig:
     enable_prefix_caching: bool = False
     seed: int = 0
     attention_backend: str = "auto"
+    enforce_eager: bool = False
     cache_isolation: str = "tenant"
     hash_algo: str = "sha256"
     chain_hashes: bool = True
@@ -189,6 +192,9 @@ class EngineConfig:
         if self.scrubber is not None and not all(callable(getattr(self.scrubber, m, None))
                                                  for m in ("on_free", "on_alloc")):
             raise TypeError(f"scrubber must have on_free and on_alloc methods, got {type(self.scrubber).__name__}")
+        if not isinstance(self.enforce_eager, bool):
+            raise TypeError(f"enforce_eager must be a bool, got {type(self.enforce_eager).__name__} "
+                            f"({show(self.enforce_eager)})")
         if not isinstance(self.chain_hashes, bool):
             raise TypeError(f"chain_hashes must be a bool, got {type(self.chain_hashes).__name__}")
         if not isinstance(self.enable_prefix_caching, bool):

@@ -26,6 +26,7 @@ from .block_manager import ALL_TENANTS, BlockManager
 from .chat import encode_text
 from .checks import as_int, show
 from .config import EngineConfig, resolve_device
+from .cuda_graphs import DecodeGraphRunner
 from .detokenizer import detokenize, flush
 from .kv_pool import KVPool, bytes_per_token
 from .lifecycle import LIFECYCLE, Transition
@@ -72,6 +73,7 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
         self.pool = KVPool(s.num_layers, self.num_blocks, c.block_size, s.num_kv_heads, s.head_dim,
                            self.dtype, self.device)
         self.attention_backend = resolve_backend(c.attention_backend, self.device.type)  # model_runner.FORWARDS
+        self.graphs = DecodeGraphRunner.for_engine(self)  # None off CUDA, or with enforce_eager
         self._secret = c.engine_secret or new_engine_secret()  # never logged or returned
         hasher = c.block_hasher if c.block_hasher is not None else make_hasher(c.hash_algo, self._secret)
         self.block_manager = BlockManager(

@@ -12,13 +12,19 @@ Layout: ``k_cache[layer, block, slot, kv_head, head_dim]`` (and ``v_cache`` like
 token at position ``p`` of a sequence lives in slot ``p % block_size`` of physical block
 ``block_table[p // block_size]``; its flat *slot index* is ``block_id * block_size + slot``.
 
-One block more than ``num_blocks`` is allocated: the **pad block** (id ``num_blocks``).  A batch
-of block tables is a rectangle, so a short sequence's row must be padded up to the longest
-one's; padding with block 0 would point attention at another request's K/V, hidden only by the
-mask.  The pad block is never handed out by the block manager (its ids stop at ``num_blocks - 1``),
-never written (no slot maps to it) and never scrubbed, so it is always zero.  ``k_cache`` and
-``v_cache`` are views of the first ``num_blocks`` blocks: what lessons, scrubbers and snapshots
-see is exactly the pool the block manager manages.
+Two blocks more than ``num_blocks`` are allocated.  The first is the **pad block** (id
+``num_blocks``).  A batch of block tables is a rectangle, so a short sequence's row must be
+padded up to the longest one's; padding with block 0 would point attention at another
+request's K/V, hidden only by the mask.  The pad block is never handed out by the block manager
+(its ids stop at ``num_blocks - 1``), never written (no slot maps to it) and never scrubbed, so
+it is always zero.
+
+One more block after it is the **scratch block** (id ``num_blocks + 1``): where the padding rows
+of a CUDA-graph decode step (``cuda_graphs.py``: a batch of 3 run as a batch of 4) write their
+K/V, so that they write neither the pad block nor anyone's real block.  Nobody reads it.
+
+``k_cache`` and ``v_cache`` are views of the first ``num_blocks`` blocks: what lessons,
+scrubbers and snapshots see is exactly the pool the block manager manages.
 """
 from __future__ import annotations
 
@@ -41,15 +47,15 @@ class KVPool:
         # Zeros, never torch.empty: uninitialised memory would hold whatever the allocator had
         # before (another process's data on a GPU) and make every unmasked read irreproducible.
         # What scrubbing is about is different: data that *requests* wrote and then freed.
-        shape = (num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim)  # + the pad block
+        shape = (num_layers, num_blocks + 2, block_size, num_kv_heads, head_dim)  # + pad and scratch blocks
         self._k = torch.zeros(shape, dtype=dtype, device=self.device)
         self._v = torch.zeros(shape, dtype=dtype, device=self.device)
         self.k_cache, self.v_cache = self._k[:, :num_blocks], self._v[:, :num_blocks]
-        # Per-layer views with one row per slot, pad block included: what writes and gathers index.
-        flat = ((num_blocks + 1) * block_size, num_kv_heads, head_dim)
+        # Per-layer views with one row per slot, pad and scratch blocks included: what writes and gathers index.
+        flat = ((num_blocks + 2) * block_size, num_kv_heads, head_dim)
         self.k_slots = [self._k[i].view(flat) for i in range(num_layers)]
         self.v_slots = [self._v[i].view(flat) for i in range(num_layers)]
-        # ... and with one row per *block* ([num_blocks + 1, block_size, kv_heads, head_dim]):
+        # ... and with one row per *block* ([num_blocks + 2, block_size, kv_heads, head_dim]):
         # what gathers read.  Copying whole blocks with ``index_select`` moves the same bytes as
         # indexing every slot, 2-3x faster on the CPU (one memcpy per block, not per slot).
         self.k_blocks, self.v_blocks = list(self._k.unbind(0)), list(self._v.unbind(0))
@@ -58,6 +64,11 @@ class KVPool:
     def pad_block(self) -> int:
         """Id of the reserved, always-zero block that pads block tables (see the module doc)."""
         return self.num_blocks
+
+    @property
+    def scratch_block(self) -> int:
+        """Id of the reserved block that padding rows of graph-captured decode steps write (never read)."""
+        return self.num_blocks + 1
 
     @property
     def nbytes(self) -> int:

@@ -81,6 +81,8 @@ def run_model(engine, prefills: list[Sequence], decodes: list[Sequence], all_row
     backend = engine.attention_backend
     if engine.decode_mask is not None or engine.kv_read_observer is not None:
         backend = "reference"
+    if backend == "fused" and engine.graphs is not None and decodes and not prefills and engine.graphs.fits(decodes):
+        return engine.graphs.run(decodes)  # decode-only on CUDA: one graph replay (cuda_graphs.py)
     input_ids, positions, meta, last_rows = prepare_inputs(
         prefills, decodes, engine.block_size, engine.device, engine.pool.pad_block,
         engine.model if backend == "fused" else None)

@@ -175,9 +175,14 @@ def prefill_efficiency(llm, n=16, seed=0, repeats=2) -> dict:
             "prefill_over_peak": flops / seconds / peak, "prefill_s": seconds, "prefill_tokens": sum(map(len, prompts))}
 
 
+def _is_op(name: str) -> bool:
+    """A dispatched operator: ATen's, or oneDNN's packed matmuls (``matmuls.PackedMatmuls``)."""
+    return name.startswith(("aten::", "mkldnn::"))
+
+
 def count_decode_ops(engine, batch=BATCH_FOR_OPS, seed=0) -> dict[str, int]:
-    """Aten ops dispatched from Python (top level: ops an op calls inside are not counted) in one
-    decode-only step of ``batch`` sequences of ``engine``, by op name; on CUDA ``"cuda kernels"``
+    """Operators (ATen's and oneDNN's) dispatched from Python (top level: ops an op calls inside
+    are not counted) in one decode-only step of ``batch`` sequences of ``engine``, by op name; on CUDA ``"cuda kernels"``
     counts the kernels launched too.  Leaves the engine idle."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -196,7 +201,7 @@ def count_decode_ops(engine, batch=BATCH_FOR_OPS, seed=0) -> dict[str, int]:
     counts: dict[str, int] = {}
     for e in prof.events():
         parent = e.cpu_parent
-        if e.name.startswith("aten::") and (parent is None or not parent.name.startswith("aten::")):
+        if _is_op(e.name) and (parent is None or not _is_op(parent.name)):
             counts[e.name] = counts.get(e.name, 0) + 1
         if engine.device.type == "cuda" and getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
             counts["cuda kernels"] = counts.get("cuda kernels", 0) + 1
@@ -210,7 +215,7 @@ def decode_ops(llm) -> dict:
     out = {}
     for backend in ("reference", "fused"):
         counts = count_decode_ops(llm.fork(attention_backend=backend).engine)
-        out[backend] = {"aten_ops": sum(v for k, v in counts.items() if k.startswith("aten::")),
+        out[backend] = {"aten_ops": sum(v for k, v in counts.items() if _is_op(k)),
                         "casts": counts.get("aten::to", 0) + counts.get("aten::_to_copy", 0),
                         "cuda_kernels": counts.get("cuda kernels")}
     out["batch"] = BATCH_FOR_OPS

@@ -39,6 +39,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .matmuls import matmuls_for
+
 # A prefix-hit group is split into one group per sequence when padding it to its longest member
 # would more than double the query rows (one 4,000-token tail among short ones, say).
 MAX_PAD_FACTOR = 2.0
@@ -220,12 +222,13 @@ def fused_forward(model, input_ids: torch.Tensor, pool, plan: FusedPlan) -> torc
     # A step with a prefill keeps transformers' own op sequence, so that prefill and ``score``
     # logits match it bit for bit in fp32.  A decode-only step is held to the decode tolerance
     # (2e-4; one query row reduces in another order anyway), so it may fuse multiply-adds: RoPE
-    # with ``addcmul_`` and each residual add inside its matmul (``addmm``).  Fewer ops per layer,
-    # each a Python dispatch on the CPU and a kernel launch on a GPU.
+    # with ``addcmul_``, each residual add inside its matmul (``matmuls.py``).  Fewer ops per
+    # layer, each a Python dispatch on the CPU and a kernel launch on a GPU.
     exact = plan.exact
+    mm = matmuls_for(model, exact)  # F.linear, or oneDNN-prepacked weights for bf16 on a CPU
     for i, L in enumerate(model.layers):
         h = F.rms_norm(x, norm, L.input_norm, s.rms_eps)
-        qkv = F.linear(h, L.qkv, L.qkv_bias).view(t, -1, dim)
+        qkv = mm.qkv(i, h).view(t, -1, dim)
         if exact:  # RoPE on q and k: x * cos + rotate_half(x) * sin, tables broadcast over heads
             qk, v = qkv.split([s.num_heads + s.num_kv_heads, s.num_kv_heads], dim=1)
             q, k = (qk * plan.cos).add_(qk.roll(dim // 2, -1) * plan.sin).split(split[:2], dim=1)
@@ -234,17 +237,6 @@ def fused_forward(model, input_ids: torch.Tensor, pool, plan: FusedPlan) -> torc
             q, k, v = qkv.split(split, dim=1)
         pool.k_slots[i].index_copy_(0, plan.slots, k)
         pool.v_slots[i].index_copy_(0, plan.slots, v)
-        x = _residual(x, attend(i, q, k, v, pool, plan, model.scale), L.o_proj, L.o_bias, exact)
-        h = F.rms_norm(x, norm, L.post_norm, s.rms_eps)
-        gate, up = F.linear(h, L.gate_up, L.gate_up_bias).chunk(2, dim=-1)
-        x = _residual(x, F.silu(gate).mul_(up), L.down, L.down_bias, exact)
+        x = mm.o_proj(i, attend(i, q, k, v, pool, plan, model.scale), x)  # x + o_proj(attention)
+        x = mm.mlp(i, F.rms_norm(x, norm, L.post_norm, s.rms_eps), x)  # x + down(silu(gate) * up)
     return F.rms_norm(x, norm, model.norm, s.rms_eps)
-
-
-def _residual(x: torch.Tensor, a: torch.Tensor, weight, bias, exact: bool) -> torch.Tensor:
-    """``x + linear(a)``.  ``exact``: added in place after the matmul, as transformers does
-    (``x`` is this forward's own residual stream).  Otherwise one op, ``linear`` with ``x`` as its
-    (2-D) bias: an ``addmm`` accumulating onto ``x``, which rounds differently (2e-4 on SmolLM2)."""
-    if exact or bias is not None:
-        return x.add_(F.linear(a, weight, bias))
-    return F.linear(a, weight, x)

@@ -23,7 +23,7 @@ largest logit in fp32, greedy tokens identical) with three changes:
   with a mask: on CUDA that pair falls back to SDPA's slow math kernel.
 * **Fewer ops per layer.**  RoPE is ``x * cos + roll(x) * sin`` (rotate-half's sign folded
   into the sine table); residual adds are in place; ``rms_norm`` is one op; the pool already
-  has the model's dtype, so nothing is cast.  A decode-only step goes further (fused
+  has the model's dtype, so nothing is cast.  A step without a fresh prefill goes further (fused
   multiply-adds, residuals inside the matmul): see :func:`fused_forward`.
 
 What it does not do: read the pool *inside* the attention kernel.  Keys are gathered per group,
@@ -74,10 +74,10 @@ class FusedPlan:
     """Everything the fused layers need about one step, built once (:func:`build_plan`)."""
 
     slots: torch.Tensor  # [T] pool slot of each new token
-    cos: torch.Tensor  # [T, 1, head_dim]; decode-only steps: [T, q_heads + 2 * kv_heads, head_dim], 1 on v's heads
-    sin: torch.Tensor  # same shape, rotate-half's sign folded in (decode-only: 0 on v's heads)
+    cos: torch.Tensor  # [T, 1, head_dim]; not exact: [T, q_heads + 2 * kv_heads, head_dim], 1 on v's heads
+    sin: torch.Tensor  # same shape, rotate-half's sign folded in (not exact: 0 on v's heads)
     groups: list[Group]
-    exact: bool = True  # a prefill is in the step: keep transformers' op order (see fused_forward)
+    exact: bool = True  # a fresh prefill is in the step: keep transformers' op order (see fused_forward)
 
 
 def to_device(values, dtype, device) -> torch.Tensor:
@@ -129,7 +129,10 @@ def build_plan(model, positions: torch.Tensor, slots: torch.Tensor, prefills: li
     cos, sin = model.rotary(positions)  # [T, 1, D], the model's dtype
     half = s.head_dim // 2
     sin = sin * torch.cat([-sin.new_ones(half), sin.new_ones(half)])  # rotate-half's sign, folded in
-    if not prefills:  # decode only: tables over q, k *and* v heads (v: cos 1, sin 0), one op ropes all
+    # Only a fresh prefill is held to transformers' exact rounding (its logits, and ``score``'s, match
+    # bit for bit); prefix-hit prefills and decodes reduce in another order anyway (2e-4).
+    exact = any(p[1] == p[2] for p in prefills)
+    if not exact:  # tables over q, k *and* v heads (v: cos 1, sin 0), so one fused op ropes them all
         qk, t = s.num_heads + s.num_kv_heads, positions.shape[0]
         cos = torch.cat([cos.expand(t, qk, -1), cos.new_ones(t, s.num_kv_heads, s.head_dim)], dim=1)
         sin = torch.cat([sin.expand(t, qk, -1), sin.new_zeros(t, s.num_kv_heads, s.head_dim)], dim=1)
@@ -147,7 +150,7 @@ def build_plan(model, positions: torch.Tensor, slots: torch.Tensor, prefills: li
             groups.append(_group(kind, [p[0] for p in c], [p[1] for p in c], [p[2] for p in c], [p[3] for p in c], **kw))
     for c in _split_decodes(decodes, block_size):
         groups.append(_group("decode", [d[0] for d in c], [1] * len(c), [d[1] for d in c], [d[2] for d in c], **kw))
-    return FusedPlan(slots, cos, sin, groups, exact=bool(prefills))
+    return FusedPlan(slots, cos, sin, groups, exact=exact)
 
 
 def _split_decodes(decodes: list[tuple], block_size: int) -> list[list[tuple]]:
@@ -219,10 +222,10 @@ def fused_forward(model, input_ids: torch.Tensor, pool, plan: FusedPlan) -> torc
     x = F.embedding(input_ids, model.embed)
     t, dim, norm = input_ids.shape[0], s.head_dim, (s.hidden_size,)
     split = [s.num_heads, s.num_kv_heads, s.num_kv_heads]
-    # A step with a prefill keeps transformers' own op sequence, so that prefill and ``score``
-    # logits match it bit for bit in fp32.  A decode-only step is held to the decode tolerance
-    # (2e-4; one query row reduces in another order anyway), so it may fuse multiply-adds: RoPE
-    # with ``addcmul_``, each residual add inside its matmul (``matmuls.py``).  Fewer ops per
+    # A step with a fresh prefill keeps transformers' own op sequence, so that prefill and ``score``
+    # logits match it bit for bit in fp32.  Other steps (decodes, prefix-hit prefills) are held to
+    # the decode tolerance (2e-4; attention over the pool reduces in another order anyway), so they
+    # may fuse multiply-adds: RoPE with ``addcmul_``, each residual add inside its matmul (``matmuls.py``).  Fewer ops per
     # layer, each a Python dispatch on the CPU and a kernel launch on a GPU.
     exact = plan.exact
     mm = matmuls_for(model, exact)  # F.linear, or oneDNN-prepacked weights for bf16 on a CPU

@@ -4,10 +4,11 @@ A decoder layer has four weight matrices (qkv, o_proj, gate_up, down) and two re
 :func:`matmuls_for` picks how one step runs them:
 
 * :class:`DenseMatmuls` -- ``F.linear`` on the checkpoint's ``[out, in]`` matrices, as
-  transformers does.  With ``exact=True`` (a step with a prefill) every residual add is its own
-  op after the matmul, so fp32 prefill and ``score`` logits match transformers bit for bit; a
-  decode-only step folds each residual add into its matmul (an ``addmm`` accumulating onto the
-  residual, which rounds differently: within the decode tolerance, one op fewer each).
+  transformers does.  With ``exact=True`` (a step with a fresh prefill) every residual add is its
+  own op after the matmul, so fp32 prefill and ``score`` logits match transformers bit for bit;
+  any other step (decodes, prefix-hit prefills) folds each residual add into its matmul (an
+  ``addmm`` accumulating onto the residual, which rounds differently: within the decode
+  tolerance, one op fewer each).
 * :class:`PackedMatmuls` -- bf16 on a CPU with oneDNN.  A matmul library keeps its weights in
   a blocked layout of its own; ``F.linear`` hands it the checkpoint's layout, so every call
   reorders the whole matrix first.  For a prefill of thousands of rows that copy is noise; for a
@@ -18,9 +19,9 @@ A decoder layer has four weight matrices (qkv, o_proj, gate_up, down) and two re
   product (``"mul"``) happen inside the matmul, so the MLP is three ops instead of five.
   Measured on the 2-core CPU (AMX), SmolLM2's 120 layer matmuls in bf16: 16 rows 18.7 ms dense
   vs 12.2 ms packed, 300 rows 49 vs 38 ms, 1,282 rows 142 vs 125 ms, 4,096 rows the same.
-  In fp32 only decode-only steps use them (16 rows: 38 vs 32 ms): oneDNN's fp32 kernel reduces
-  in another order than the MKL call transformers makes, so a prefill keeps ``F.linear`` and its
-  logits keep matching transformers exactly.  The packed copy costs the memory of the weights
+  In fp32 only steps without a fresh prefill use them (16 rows: 38 vs 32 ms): oneDNN's fp32
+  kernel reduces in another order than the MKL call transformers makes, so a fresh prefill keeps
+  ``F.linear`` and its logits keep matching transformers exactly.  The packed copy costs the memory of the weights
   again (the dense ones stay: prefills in fp32, the reference backend and the embedding use them).
 
 No compilation is involved: these are eager ATen ops, run one by one like every other op here.
@@ -103,7 +104,7 @@ class PackedMatmuls:
 
 def packs(model, exact: bool) -> bool:
     """Whether a fused step of ``model`` runs on packed weights: on a CPU with the ops, in bf16,
-    or in fp32 when the step is decode-only (not held to transformers' exact rounding)."""
+    or in fp32 when the step has no fresh prefill (not held to transformers' exact rounding)."""
     if model.device.type != "cpu" or not _packing_available():
         return False
     return model.dtype == torch.bfloat16 or (model.dtype == torch.float32 and not exact)

@@ -107,18 +107,27 @@ def _group(kind, starts, news, contexts, tables, *, block_size, pad_block, rep, 
     width = max(map(len, tables))
     table = to_device([t + [pad_block] * (width - len(t)) for t in tables], torch.long, device)
     ctx = to_device(contexts, torch.long, device)
-    keys = torch.arange(width * block_size, device=device)
     if kind == "decode":  # the query is the last position; it sees the whole context
-        allowed = (keys[None, :] < ctx[:, None])[:, None, None, :]
-        rows = dest = slice(starts[0], starts[0] + len(starts))
-        keep = None
-    else:  # causal over the context: query i sits at position context - new + i
-        qpos = (ctx - to_device(news, torch.long, device))[:, None] + torch.arange(n_max, device=device)
-        allowed = (keys[None, None, :] <= qpos[:, :, None]) & (keys[None, None, :] < ctx[:, None, None])
-        allowed = allowed[:, None].expand(-1, rep, -1, -1).reshape(len(news), 1, rep * n_max, -1)
-        rows, dest, keep = _padded_rows(starts, news, n_max, device)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
-    return Group(kind, rows, dest, keep, n_max, table.flatten(), mask)
+        rows = slice(starts[0], starts[0] + len(starts))
+        return Group(kind, rows, rows, None, n_max, table.flatten(), decode_mask(ctx, width * block_size, dtype))
+    # causal over the context: query i sits at position context - new + i
+    keys = torch.arange(width * block_size, device=device)
+    qpos = (ctx - to_device(news, torch.long, device))[:, None] + torch.arange(n_max, device=device)
+    allowed = (keys[None, None, :] <= qpos[:, :, None]) & (keys[None, None, :] < ctx[:, None, None])
+    allowed = allowed[:, None].expand(-1, rep, -1, -1).reshape(len(news), 1, rep * n_max, -1)
+    return Group(kind, *_padded_rows(starts, news, n_max, device), n_max, table.flatten(), _additive(allowed, dtype))
+
+
+def _additive(allowed: torch.Tensor, dtype) -> torch.Tensor:
+    """The boolean mask as SDPA's additive one: 0 where a query may look, -inf where it may not."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+def decode_mask(ctx: torch.Tensor, num_keys: int, dtype) -> torch.Tensor:
+    """[S, 1, 1, num_keys] additive mask of a decode group: sequence ``i`` sees its first
+    ``ctx[i]`` key slots, never the rest of its last block or the pad block past it."""
+    keys = torch.arange(num_keys, device=ctx.device)
+    return _additive((keys[None, :] < ctx[:, None])[:, None, None, :], dtype)
 
 
 def build_plan(model, positions: torch.Tensor, slots: torch.Tensor, prefills: list[tuple],

@@ -43,7 +43,7 @@ import math
 
 import torch
 
-from .attention_fused import Group, build_plan, fused_forward
+from .attention_fused import Group, build_plan, decode_mask, fused_forward
 
 INPUTS = 4  # per row of the static buffer, before the block table: token, position, slot, context length
 
@@ -181,10 +181,7 @@ class DecodeGraphRunner:
 
         def step() -> torch.Tensor:
             plan = build_plan(model, pos, slots, [], [], bs, pool.pad_block)  # slots + RoPE tables, no groups
-            keys = torch.arange(nw * bs, device=ctx.device)
-            allowed = (keys[None, :] < ctx[:, None])[:, None, None, :]  # [nb, 1, 1, nw * bs]
-            mask = torch.zeros(allowed.shape, dtype=model.dtype, device=ctx.device)
-            mask.masked_fill_(~allowed, float("-inf"))  # additive, as the eager path's decode group
+            mask = decode_mask(ctx, nw * bs, model.dtype)  # [nb, 1, 1, nw * bs], as the eager decode group's
             plan.groups.append(Group("decode", slice(0, nb), slice(0, nb), None, 1, table, mask))
             return model.logits(fused_forward(model, ids, pool, plan))
         return step

@@ -28,7 +28,7 @@ def _run(dtype: str, packed: bool, monkeypatch):
         if not packed:
             m.setattr(matmuls, "_packing_available", lambda: False)
         llm = LLM("tiny-random", device="cpu", dtype=dtype, attention_backend="fused", num_blocks=64)
-        llm.engine.model._packed = None  # each run packs (or not) on its own
+        llm.engine.model._packed = llm.engine.model._packed_head = None  # each run packs (or not) anew
         rng = random.Random(5)
         prompts = [[rng.randrange(3, 259) for _ in range(n)] for n in (7, 30, 61)]
         llm.engine.logit_trace = []

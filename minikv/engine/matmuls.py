@@ -110,6 +110,16 @@ def packs(model, exact: bool) -> bool:
     return model.dtype == torch.bfloat16 or (model.dtype == torch.float32 and not exact)
 
 
+def logits(model, hidden: torch.Tensor, exact: bool) -> torch.Tensor:
+    """``model.logits(hidden)`` (fp32 logits of the rows we sample from), the LM head packed when
+    the step's matmuls are: the 49,152-wide head is the largest single matmul of a decode step."""
+    if not packs(model, exact):
+        return model.logits(hidden)
+    if getattr(model, "_packed_head", None) is None:
+        model._packed_head = torch.ops.mkldnn._reorder_linear_weight(model.lm_head, 16)
+    return torch.ops.mkldnn._linear_pointwise(hidden, model._packed_head, None, "none", [], "").float()
+
+
 def matmuls_for(model, exact: bool):
     """The matmuls of one fused step of ``model`` (packed ones are built on first use and kept
     on the model, so forks sharing its weights share them too)."""

@@ -14,6 +14,7 @@ import torch
 
 from .attention import AttentionMetadata, PrefillItem
 from .attention_fused import build_plan, fused_forward, to_device
+from .matmuls import logits as fused_logits
 from .checks import show
 from .sampling import SamplingParams
 from .sequence import Sequence
@@ -87,7 +88,10 @@ def run_model(engine, prefills: list[Sequence], decodes: list[Sequence], all_row
         prefills, decodes, engine.block_size, engine.device, engine.pool.pad_block,
         engine.model if backend == "fused" else None)
     hidden = FORWARDS[backend](engine, input_ids, positions, meta)
-    return engine.model.logits(hidden if all_rows else hidden[last_rows])
+    rows = hidden if all_rows else hidden[last_rows]
+    if backend == "fused":  # the LM head too may run on packed weights (matmuls.py)
+        return fused_logits(engine.model, rows, meta.exact)
+    return engine.model.logits(rows)
 
 
 def score_tokens(engine, token_ids: list[int]) -> torch.Tensor:

@@ -53,3 +53,13 @@ def compare_with_ties(got: list[int], ref: list[int], ref_logits: list[torch.Ten
         ties.append(f"{label}: diverged at token {i} after tie at step {tie_steps[0]} (gap {gaps[tie_steps[0]]:.1e})")
         return
     assert len(got) == len(ref), f"{label}: lengths differ ({len(got)} vs {len(ref)})"
+
+
+def assert_traces_close(trace_a: list[dict], trace_b: list[dict], rel_tol: float) -> None:
+    """Two runs of one schedule (``engine.logit_trace``) sampled the same rows at every step, and
+    each row's logits agree within ``rel_tol`` of its largest absolute logit."""
+    assert [sorted(s) for s in trace_a] == [sorted(s) for s in trace_b]
+    for step_a, step_b in zip(trace_a, trace_b):
+        for rid, row in step_a.items():
+            diff = (row - step_b[rid]).abs().max().item()
+            assert diff <= rel_tol * row.abs().max().item(), (rid, diff)

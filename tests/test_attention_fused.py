@@ -18,6 +18,7 @@ from minikv.bench_engine import count_decode_ops as decode_step_ops  # what the 
 from minikv.engine import SamplingParams
 from minikv.engine.attention_backends import ATTENTION_BACKENDS, BACKENDS, resolve_backend
 from minikv.engine.model_runner import FORWARDS
+from tests.engine_helpers import assert_traces_close
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 TOL = 1e-4  # of the largest absolute logit
@@ -73,11 +74,7 @@ def test_fused_matches_reference_on_every_kind_of_step(device):
     assert kinds == {"prefill", "decode", "mixed"}
     assert cached_r == cached_f and min(cached_r) >= 32, cached_r  # the prefix-hit branch ran
     assert tokens_r == tokens_f and len(tokens_r) == 5
-    assert [sorted(s) for s in trace_r] == [sorted(s) for s in trace_f]
-    for step_r, step_f in zip(trace_r, trace_f):
-        for rid, row in step_r.items():
-            diff = (row - step_f[rid]).abs().max().item()
-            assert diff <= TOL * row.abs().max().item(), (rid, diff)
+    assert_traces_close(trace_r, trace_f, TOL)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -125,10 +122,7 @@ def test_decodes_of_very_different_lengths_split_into_two_groups(monkeypatch):
     assert decode_steps and all(kinds == [("decode", 4), ("decode", 4)] for kinds in decode_steps), seen
     (trace_r, tokens_r), (trace_f, tokens_f) = runs
     assert tokens_r == tokens_f and len(tokens_r) == 8
-    for step_r, step_f in zip(trace_r, trace_f):
-        assert sorted(step_r) == sorted(step_f)
-        for rid, row in step_r.items():
-            assert (row - step_f[rid]).abs().max().item() <= TOL * row.abs().max().item(), rid
+    assert_traces_close(trace_r, trace_f, TOL)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

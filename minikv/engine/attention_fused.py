@@ -2,7 +2,7 @@
 
 ``attention.paged_attention`` (the reference) is written for reading: each layer loops over the
 prefills, gathers every decoding sequence's blocks into a padded tensor and builds its masks.  On
-a small model the layers are cheap, so that bookkeeping *is* the step: about 2,200 aten ops per
+a small model the layers are cheap, so that bookkeeping *is* the step: about 2,100 aten ops per
 decode step for SmolLM2 at batch 16, each one a Python call and, on a GPU, a kernel launch.
 
 This path computes the same thing (``tests/test_attention_fused.py`` holds it to 1e-4 of the

@@ -1,8 +1,8 @@
 """CUDA graphs for decode-only steps: record the step's kernels once, replay them every step.
 
 **Why.**  A decode step of a small model is *launch-bound*: each token does little arithmetic,
-but the forward is hundreds of small operations.  The fused backend dispatches about 760 aten
-ops per decode step for SmolLM2 at batch 16 (counted with ``torch.profiler`` on the CPU, see
+but the forward is hundreds of small operations.  The fused backend dispatches about 700 ops
+per decode step for SmolLM2 at batch 16 (counted with ``torch.profiler`` on the CPU, see
 ``minikv.bench_engine``); on a GPU each one is a kernel launch, a few microseconds of CPU time
 for a kernel that itself may run for less.  A CUDA graph records the whole sequence of launches
 once (*capture*) and hands it to the GPU in one call afterwards (*replay*): the CPU no longer
@@ -16,9 +16,9 @@ input lives in one *static buffer* allocated once, and each step copies its valu
 
 **Buckets.**  The batch size and the block-table width (blocks per sequence) change from step
 to step, and a graph has one of each.  So graphs are kept per *(batch bucket, width bucket)*:
-batch sizes 1, 2, 4, 8, then multiples of 8 up to ``max_num_seqs`` (vLLM's capture list had the
-same form: ``[1, 2, 4] + [8 * i ...]`` in ``vllm/worker/model_runner.py``, vllm-project/vllm
-PR #7894), widths in powers of two up to ``ceil(max_model_len / block_size)``.  A step runs the
+batch sizes 1, 2, 4, 8, then multiples of 8 up to ``max_num_seqs`` (vLLM's default capture list
+starts the same way: "1, 2, 4, then multiples of 8 up to 256", ``vllm/config/vllm.py`` in vLLM
+0.32), widths in powers of two up to ``ceil(max_model_len / block_size)``.  A step runs the
 smallest graph that fits, captured on first use; all graphs share one memory pool
 (``torch.cuda.graph_pool_handle()``), since only one of them runs at a time.
 

@@ -42,6 +42,15 @@ def as_int(name: str, value, *, minimum: int | None = None) -> int:
     return value
 
 
+def check_bool(name: str, value) -> bool:
+    """``value`` itself if it is a bool, else a TypeError naming ``name`` and the value (``1`` or
+    ``"yes"`` are not flags: a switch that silently means something else is how a defense ends
+    up off)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} ({show(value)})")
+    return value
+
+
 def as_real(name: str, value) -> float:
     """``value`` as a finite float, or an error naming ``name``.  ``float(10**400)`` overflows
     and NaN/inf compare False with every bound, so both are checked explicitly."""

@@ -21,7 +21,7 @@ from ..security.keys import check_secret
 from ..security.hashing import HASHERS, UNSAFE_HASHES
 from ..security.scrub import SCRUBBERS, UNSAFE_SCRUBBERS
 from .attention_backends import ATTENTION_BACKENDS
-from .checks import as_int, as_real, as_seed, show
+from .checks import as_int, as_real, as_seed, check_bool, show
 from .lifecycle import VerifyHits
 from .sharing import STRATEGIES as SHARING_STRATEGIES
 
@@ -192,14 +192,8 @@ class EngineConfig:
         if self.scrubber is not None and not all(callable(getattr(self.scrubber, m, None))
                                                  for m in ("on_free", "on_alloc")):
             raise TypeError(f"scrubber must have on_free and on_alloc methods, got {type(self.scrubber).__name__}")
-        if not isinstance(self.enforce_eager, bool):
-            raise TypeError(f"enforce_eager must be a bool, got {type(self.enforce_eager).__name__} "
-                            f"({show(self.enforce_eager)})")
-        if not isinstance(self.chain_hashes, bool):
-            raise TypeError(f"chain_hashes must be a bool, got {type(self.chain_hashes).__name__}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise TypeError("enable_prefix_caching must be a bool, "
-                            f"got {type(self.enable_prefix_caching).__name__}")
+        for flag in ("enforce_eager", "chain_hashes", "enable_prefix_caching"):
+            check_bool(flag, getattr(self, flag))
         if self.engine_secret is not None:
             self.engine_secret = check_secret(self.engine_secret, "engine_secret")
         self.shared_prefixes = _prefixes("shared_prefixes", self.shared_prefixes)

@@ -24,7 +24,7 @@ from . import step_guard
 from .attention_backends import resolve_backend
 from .block_manager import ALL_TENANTS, BlockManager
 from .chat import encode_text
-from .checks import as_int, show
+from .checks import as_int, check_bool, show
 from .config import EngineConfig, resolve_device
 from .cuda_graphs import DecodeGraphRunner
 from .detokenizer import detokenize, flush
@@ -163,8 +163,7 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
         mark -- this request's blocks stay in its tenant's domain under every policy (sharing.py)."""
         if tenant is not None and not isinstance(tenant, str):
             raise TypeError(f"tenant must be a str or None, got {type(tenant).__name__}")
-        if not isinstance(cache_private, bool):
-            raise TypeError(f"cache_private must be a bool, got {type(cache_private).__name__} ({show(cache_private)})")
+        check_bool("cache_private", cache_private)
         if not isinstance(request_id, str):
             raise TypeError(f"request_id must be a str, got {type(request_id).__name__} ({show(request_id)})")
         if request_id in self.requests:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .checks import as_int, as_real, as_seed, show
+from .checks import as_int, as_real, as_seed, check_bool, show
 
 if TYPE_CHECKING:
     from .sequence import Sequence
@@ -69,8 +69,7 @@ class SamplingParams:
             self.seed = as_seed("seed", self.seed)
         if isinstance(self.n, bool) or self.n != 1:
             raise ValueError(f"n={show(self.n)} is not supported; minikv returns one completion per request")
-        if not isinstance(self.ignore_eos, bool):
-            raise TypeError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__} ({show(self.ignore_eos)})")
+        check_bool("ignore_eos", self.ignore_eos)
         if self.stop is not None and not isinstance(self.stop, (str, list, tuple)):
             raise TypeError(f"stop must be a str or a list of str, got {type(self.stop).__name__} ({show(self.stop)})")
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

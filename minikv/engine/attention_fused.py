@@ -234,8 +234,9 @@ def fused_forward(model, input_ids: torch.Tensor, pool, plan: FusedPlan) -> torc
     # A step with a fresh prefill keeps transformers' own op sequence, so that prefill and ``score``
     # logits match it bit for bit in fp32.  Other steps (decodes, prefix-hit prefills) are held to
     # the decode tolerance (2e-4; attention over the pool reduces in another order anyway), so they
-    # may fuse multiply-adds: RoPE with ``addcmul_``, each residual add inside its matmul (``matmuls.py``).  Fewer ops per
-    # layer, each a Python dispatch on the CPU and a kernel launch on a GPU.
+    # may fuse multiply-adds: RoPE with ``addcmul_``, each residual add inside its matmul
+    # (``matmuls.py``).  Fewer ops per layer, each a Python dispatch on the CPU and a kernel
+    # launch on a GPU.
     exact = plan.exact
     mm = matmuls_for(model, exact)  # F.linear, or oneDNN-prepacked weights for bf16 on a CPU
     for i, L in enumerate(model.layers):

@@ -44,6 +44,7 @@ import math
 import torch
 
 from .attention_fused import Group, build_plan, decode_mask, fused_forward
+from .kv_pool import slot_of
 
 INPUTS = 4  # per row of the static buffer, before the block table: token, position, slot, context length
 
@@ -160,7 +161,7 @@ class DecodeGraphRunner:
             p = s.num_tokens - 1
             ids.append(s.token_ids[p])
             pos.append(p)
-            slots.append(s.block_table[p // bs] * bs + p % bs)
+            slots.append(slot_of(s.block_table, p, bs))
             ctx.append(s.num_tokens)
             tables.extend(s.block_table + [pad] * (nw - len(s.block_table)))
         for j in range(nb - len(decodes)):  # padded rows: read the pad block, write the scratch block

@@ -38,6 +38,12 @@ def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: to
     return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
+def slot_of(block_table: list[int], position: int, block_size: int) -> int:
+    """The flat slot index of a sequence's token at ``position``: slot ``position % block_size``
+    of physical block ``block_table[position // block_size]``."""
+    return block_table[position // block_size] * block_size + position % block_size
+
+
 class KVPool:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str):

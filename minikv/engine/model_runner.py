@@ -14,8 +14,9 @@ import torch
 
 from .attention import AttentionMetadata, PrefillItem
 from .attention_fused import build_plan, fused_forward, to_device
-from .matmuls import logits as fused_logits
 from .checks import show
+from .kv_pool import slot_of
+from .matmuls import logits as fused_logits
 from .sampling import SamplingParams
 from .sequence import Sequence
 
@@ -38,8 +39,7 @@ def prepare_inputs(prefills: list[Sequence], decodes: list[Sequence], block_size
             items.append((len(ids), end - start, end, seq.block_table))
         ids.extend(seq.token_ids[start:end])
         pos.extend(range(start, end))
-        # A token at position p lives in slot p % block_size of logical block p // block_size.
-        slots.extend(seq.block_table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        slots.extend(slot_of(seq.block_table, p, block_size) for p in range(start, end))
         row_of[id(seq)] = len(ids) - 1
     last_rows = [row_of[id(seq)] for seq in prefills + (decodes_in_order if model is not None else decodes)]
     input_ids, positions = to_device(ids, torch.long, device), to_device(pos, torch.long, device)

@@ -182,8 +182,8 @@ def _is_op(name: str) -> bool:
 
 def count_decode_ops(engine, batch=BATCH_FOR_OPS, seed=0) -> dict[str, int]:
     """Operators (ATen's and oneDNN's) dispatched from Python (top level: ops an op calls inside
-    are not counted) in one decode-only step of ``batch`` sequences of ``engine``, by op name; on CUDA ``"cuda kernels"``
-    counts the kernels launched too.  Leaves the engine idle."""
+    are not counted) in one decode-only step of ``batch`` sequences of ``engine``, by op name; on
+    CUDA ``"cuda kernels"`` counts the kernels launched too.  Leaves the engine idle."""
     from torch.profiler import ProfilerActivity, profile
 
     rng = random.Random(seed)
@@ -221,7 +221,7 @@ def decode_ops(llm) -> dict:
     out = {}
     for name, overrides in runs.items():
         counts = count_decode_ops(llm.fork(**overrides).engine)
-        out[name] = {"aten_ops": sum(v for k, v in counts.items() if _is_op(k)),
+        out[name] = {"ops": sum(v for k, v in counts.items() if _is_op(k)),
                      "casts": counts.get("aten::to", 0) + counts.get("aten::_to_copy", 0),
                      "cuda_kernels": counts.get("cuda kernels")}
     out["batch"] = BATCH_FOR_OPS
@@ -251,7 +251,7 @@ def format_engine(report: dict) -> list[str]:
         o = report["ops"]
         for backend in [b for b in ("reference", "fused", "graphs") if b in o]:
             kernels = o[backend]["cuda_kernels"]
-            lines.append(f"  ops (ATen + oneDNN) per decode step (batch {o['batch']}) {backend:<9} {o[backend]['aten_ops']:6d}"
+            lines.append(f"  ops (ATen + oneDNN) per decode step (batch {o['batch']}) {backend:<9} {o[backend]['ops']:6d}"
                          f"   casts {o[backend]['casts']:4d}" + (f"   CUDA kernels {kernels}" if kernels else "")
                          + ("   target <= 500 (SmolLM2)" if backend == "fused" else ""))
     return lines

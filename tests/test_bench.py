@@ -37,10 +37,10 @@ def test_bench_report_holds_every_figure_beside_its_ratio(tmp_path, capsys):
     assert f"{t['hit_ms']:8.1f} ms" in text and f"{t['miss_ms']:8.1f} ms" in text
     assert 0 < t["weight_pass_ms"] and f"{t['weight_pass_ms']:8.1f} ms" in text  # the hit's floor, printed
     ops = report["ops"]
-    assert ops["batch"] == 16 and 0 < ops["fused"]["aten_ops"] < ops["reference"]["aten_ops"]
+    assert ops["batch"] == 16 and 0 < ops["fused"]["ops"] < ops["reference"]["ops"]
     assert ops["fused"]["casts"] < ops["reference"]["casts"]
     for backend in ("reference", "fused"):
-        assert f"{backend:<9} {ops[backend]['aten_ops']:6d}" in text
+        assert f"{backend:<9} {ops[backend]['ops']:6d}" in text
 
 
 def test_prefill_flops_count_matmuls_attention_and_head_without_padding():

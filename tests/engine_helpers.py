@@ -63,3 +63,22 @@ def assert_traces_close(trace_a: list[dict], trace_b: list[dict], rel_tol: float
         for rid, row in step_a.items():
             diff = (row - step_b[rid]).abs().max().item()
             assert diff <= rel_tol * row.abs().max().item(), (rid, diff)
+
+
+def quiet_fork(llm, **kw):
+    """``llm.fork(enable_prefix_caching=True, **kw)``, its UnsafeSettingWarning silenced: the
+    selective-sharing tests set unsafe policies (k=2, monitor, shared) on purpose."""
+    import warnings
+
+    from minikv.engine import UnsafeSettingWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnsafeSettingWarning)
+        return llm.fork(enable_prefix_caching=True, **kw)
+
+
+def random_contents(seed: int, n: int, blocks: int = 3, block_size: int = 16) -> list[list[int]]:
+    """``n`` seeded random prompts of ``blocks`` full blocks, token ids in 3..249 (clear of the
+    special ids, and of markers tests place above 250)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 250, (blocks * block_size,), generator=g).tolist() for _ in range(n)]

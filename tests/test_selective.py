@@ -20,6 +20,7 @@ from minikv.audit.monitor import DetectorMonitor
 from minikv.engine.config import EngineConfig
 from minikv.engine.lifecycle import Transition
 from minikv.engine.sharing import STRATEGIES
+from tests.engine_helpers import quiet_fork, random_contents
 
 BS = 16
 P1 = SamplingParams(max_tokens=1, temperature=0.0)
@@ -32,14 +33,10 @@ def base(tiny_path):
 
 
 def selective(base, **kw):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UnsafeSettingWarning)
-        return base.fork(enable_prefix_caching=True, cache_isolation="selective", **kw)
+    return quiet_fork(base, cache_isolation="selective", **kw)
 
 
-def contents(seed: int, n: int, blocks: int = 3) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 250, (blocks * BS,), generator=g).tolist() for _ in range(n)]
+contents = random_contents
 
 
 class Watch:

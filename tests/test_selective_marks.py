@@ -8,14 +8,13 @@ cache-off outputs, the trail records, and bad input.
 from __future__ import annotations
 
 import json
-import warnings
 
 import pytest
-import torch
 
-from minikv import LLM, SamplingParams, UnsafeSettingWarning
+from minikv import LLM, SamplingParams
 from minikv.audit.monitor import DetectorMonitor
 from minikv.engine.config import EngineConfig
+from tests.engine_helpers import quiet_fork, random_contents
 
 BS = 16
 P1 = SamplingParams(max_tokens=1, temperature=0.0)
@@ -29,15 +28,7 @@ def base(tiny_path):
     return LLM(tiny_path, num_blocks=512, seed=0)
 
 
-def fork(base, **kw):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UnsafeSettingWarning)
-        return base.fork(enable_prefix_caching=True, **kw)
-
-
-def contents(seed: int, n: int, blocks: int = 3) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 250, (blocks * BS,), generator=g).tolist() for _ in range(n)]
+fork, contents = quiet_fork, random_contents
 
 
 def cached(llm, prompt, tenant, **kw) -> int:

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import random
-import warnings
 
 import pytest
 
-from minikv import LLM, SamplingParams, UnsafeSettingWarning
+from minikv import LLM, SamplingParams
 from minikv.attacks.prefix_oracle import recover_secret_by_count
 from minikv.audit.monitor import DetectorMonitor
+from tests.engine_helpers import quiet_fork
 
 BS = 16
 P1 = SamplingParams(max_tokens=1, temperature=0.0)
@@ -41,10 +41,7 @@ def base(tiny_path):
 
 
 def monitored(base, **kw):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UnsafeSettingWarning)
-        llm = base.fork(enable_prefix_caching=True, cache_isolation="selective", selective_strategy="monitor",
-                        reuse_monitor=Recording, **kw)
+    llm = quiet_fork(base, cache_isolation="selective", selective_strategy="monitor", reuse_monitor=Recording, **kw)
     return llm, Recording.instances[-1]
 
 

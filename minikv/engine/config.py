@@ -22,6 +22,8 @@ from ..security.hashing import HASHERS, UNSAFE_HASHES
 from ..security.scrub import SCRUBBERS, UNSAFE_SCRUBBERS
 from .attention_backends import ATTENTION_BACKENDS
 from .checks import as_int, as_real, as_seed, check_bool, show
+# The device checks live in device.py; DEVICE_TYPES and resolve_device stay importable from here.
+from .device import DEVICE_TYPES, check_device, is_torch_dtype, resolve_device  # noqa: F401
 from .lifecycle import VerifyHits
 from .sharing import STRATEGIES as SHARING_STRATEGIES
 
@@ -31,7 +33,6 @@ HASH_ALGOS = tuple(HASHERS)
 UNSAFE_HASH_ALGOS = tuple(a for a in HASH_ALGOS if a in UNSAFE_HASHES)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 AUDIT_LEVELS = ("request", "block")  # = minikv.audit.trail.LEVELS (not imported: the engine stays audit-free)
-DEVICE_TYPES = ("cpu", "cuda", "mps")
 UNLIMITED = "unlimited"  # max_cached_blocks_per_tenant: no quota (UNSAFE; lessons on prime-and-probe)
 QUOTA_SHARE = 8  # default quota: 1/QUOTA_SHARE of the pool per tenant (see cache_quota)
 
@@ -161,12 +162,12 @@ class EngineConfig:
         _check_choice("audit_level", self.audit_level, AUDIT_LEVELS)
         _check_choice("hash_algo", self.hash_algo, HASH_ALGOS)
         self.verify_hits = VerifyHits.of(self.verify_hits)
-        if _is_torch_dtype(self.dtype):
+        if is_torch_dtype(self.dtype):
             _check_choice("dtype", str(self.dtype).removeprefix("torch."), DTYPES)
         elif self.dtype is not None:
             _check_choice("dtype", self.dtype, DTYPES)
         if self.device is not None:
-            self.device = _check_device(self.device)
+            self.device = check_device(self.device)
         if not isinstance(self.model, (str, os.PathLike)):
             raise TypeError(f"model must be a name or a path, got {type(self.model).__name__} ({show(self.model)})")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -276,39 +277,3 @@ def _positive_int(name: str, value: Any) -> int:
     if value <= 0:
         raise ValueError(f"{name} must be > 0, got {show(value)}")
     return value
-
-
-def _check_device(value: Any) -> str:
-    """A device name torch parses, of a type minikv runs on: cpu, cuda, cuda:N or mps.
-    (Whether that device exists on this machine is checked by :func:`resolve_device`.)"""
-    if not isinstance(value, str) and type(value).__name__ != "device":
-        raise TypeError(f"device must be a str such as 'cpu' or 'cuda:0', got {type(value).__name__} ({show(value)})")
-    import torch  # here, not at the top: building a config must not cost a torch import
-
-    try:
-        dev = torch.device(value)
-    except (RuntimeError, ValueError, TypeError):
-        dev = None
-    if dev is None or dev.type not in DEVICE_TYPES:
-        raise ValueError(f"device={show(value)} is not valid; use 'cpu', 'cuda', 'cuda:N' or 'mps'")
-    return str(dev)
-
-
-def resolve_device(name: str | None):
-    """The ``torch.device`` an engine runs on (CUDA when available if ``name`` is None), or a
-    ValueError if the named device is not present here -- raised before any weights load."""
-    import torch
-
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(_check_device(name))
-    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
-        raise ValueError(f"device={name!r}: no such CUDA device here "
-                         f"({torch.cuda.device_count() if torch.cuda.is_available() else 0} available)")
-    if dev.type == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"device={name!r}: MPS is not available on this machine")
-    return dev
-
-
-def _is_torch_dtype(value: Any) -> bool:
-    return type(value).__name__ == "dtype" and type(value).__module__ == "torch"

@@ -7,7 +7,8 @@ at the pool in between (``snapshot()``).
 
 Security lives in three places you can find from here: the *isolation domain* a request's
 blocks are hashed in (``_new_sequence``), the *scrub hooks* run on block lifecycle events
-(``_on_block_event``), and the *audit trail* that records every cache decision.
+(``_on_block_event``), and the *audit trail* that records every cache decision.  Before any of
+them, every request is checked at the door (``intake.py``).
 """
 from __future__ import annotations
 
@@ -20,14 +21,13 @@ import torch
 from ..security.hashing import make_hasher
 from ..security.keys import derive_operator_key, derive_tenant_key, new_engine_secret
 from ..security.scrub import make_scrubber, scrub_hook, zeroes
-from . import step_guard
+from . import intake, step_guard
 from .attention_backends import resolve_backend
 from .block_manager import ALL_TENANTS, BlockManager
-from .chat import encode_text
-from .checks import as_int, check_bool, show
-from .config import EngineConfig, resolve_device
+from .config import EngineConfig
 from .cuda_graphs import DecodeGraphRunner
 from .detokenizer import detokenize, flush
+from .device import resolve_device
 from .kv_pool import KVPool, bytes_per_token
 from .lifecycle import LIFECYCLE, Transition
 from .loader import eos_token_ids, resolve_dtype
@@ -137,48 +137,15 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
 
     # ------------------------------------------------------------------ requests
     def encode_prompt(self, prompt) -> tuple[list[int], str | None]:
-        """Token ids (validated against the vocabulary) and text of a str or token-id prompt.
-
-        Token ids may be Python or NumPy integers (converted exactly with ``operator.index``);
-        bools are refused: ``True`` is an int to Python but never a token anyone meant."""
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt is empty ('')")
-            return encode_text(self.tokenizer, prompt), prompt
-        if isinstance(prompt, (list, tuple)):
-            ids = [as_int(f"prompt token {i}", t) for i, t in enumerate(prompt)]
-            self._check_vocab("token id", ids)
-            return ids, None
-        raise TypeError(f"prompt must be a str or a list of token ids, got {type(prompt).__name__} ({show(prompt)})")
-
-    def _check_vocab(self, what: str, ids: list[int]) -> None:
-        bad = [t for t in ids if not 0 <= t < self.model.shape.vocab_size]
-        if bad:
-            raise ValueError(f"{what} {show(bad[0])} is outside the vocabulary [0, {self.model.shape.vocab_size})")
+        """Token ids (checked against the vocabulary) and text of a str or token-id prompt (``intake.py``)."""
+        return intake.encode_prompt(self.tokenizer, self.model.shape.vocab_size, prompt)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None,
                     tenant: str | None = None, cache_private: bool = False) -> None:
         """Queue a request.  Invalid input raises here, before anything is allocated, so a bad
         request never disturbs the ones already running.  ``cache_private=True``: the tenant's
         mark -- this request's blocks stay in its tenant's domain under every policy (sharing.py)."""
-        if tenant is not None and not isinstance(tenant, str):
-            raise TypeError(f"tenant must be a str or None, got {type(tenant).__name__}")
-        check_bool("cache_private", cache_private)
-        if not isinstance(request_id, str):
-            raise TypeError(f"request_id must be a str, got {type(request_id).__name__} ({show(request_id)})")
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is not a new id: that request is still running")
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
-        self._check_vocab("stop_token_ids entry", params.stop_token_ids)
-        ids, text = self.encode_prompt(prompt)
-        if not ids:
-            raise ValueError("prompt is empty (no tokens)")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len}")
-        if len(ids) + 1 > self.num_blocks * self.block_size:
-            raise ValueError(f"prompt has {len(ids)} tokens; the whole pool holds {self.num_blocks * self.block_size}")
+        ids, text, params = intake.check_request(self, request_id, prompt, params, tenant, cache_private)
         seq = self._new_sequence(request_id, ids, text, params, tenant, cache_private)
         self.requests[request_id] = seq
         self.scheduler.add(seq)

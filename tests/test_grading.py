@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import inspect
 import subprocess
 import sys
 import warnings
@@ -59,6 +60,20 @@ def _extra(ex, package):
 
 IDS = [e.id for e in GRADED]
 BY_ID = {e.id: e for e in GRADED}
+
+
+def test_exercise_table_is_consistent():
+    """The runner's table: unique ids; every lesson is a course notebook; every exercise names a
+    function/class that exists in both packages; every extra is a keyword its grader takes."""
+    assert len(set(IDS)) == len(IDS), IDS
+    for ex in GRADED:
+        assert list((ROOT / "course").glob(f"{ex.lesson}_*.ipynb")), (ex.id, ex.lesson)
+        for package in ("exercises", "solutions"):
+            assert ex.target(package) is not None
+        params = inspect.signature(ex.check).parameters
+        assert all(name in params for name in ex.extra), (ex.id, ex.extra, list(params))
+        assert all(isinstance(getattr(importlib.import_module(f"solutions.{ex.module}"), n), type(ex.check))
+                   for n in ex.extra), ex.id  # extras are the module's helper functions
 
 
 # ------------------------------------------------------------------ solution / stub / mutants

@@ -40,38 +40,38 @@ class Exercise:
         return getattr(importlib.import_module(f"{package}.{self.module}"), self.name)
 
 
-EXERCISES: list[Exercise] = [
-    Exercise("1a", "ex1_chained_hash", "encode_fields", hashing.check_encode_fields,
-             "typed, length-prefixed encoding", "07"),
-    Exercise("1b", "ex1_chained_hash", "chained_block_hash", hashing.check_chained_hash,
-             "chained, domain-separated block hash", "07", ("encode_fields",)),
-    Exercise("2a", "ex2_tenant_keys", "derive_tenant_key", tenant_keys.check_tenant_key_derivation,
-             "server-side per-tenant keys (HMAC)", "07", ("encode_fields",)),
-    Exercise("2b", "ex2_tenant_keys", "TenantKeyedHasher", tenant_keys.check_tenant_keyed_hasher,
-             "tenant-keyed block hasher", "07", ("encode_fields",)),
-    Exercise("2c", "ex2_tenant_keys", "block_keys", tenant_keys.check_block_keys,
-             "tenant key in every block (plumbing)", "07"),
-    Exercise("3a", "ex3_scrubbing", "zero_blocks", scrubbing.check_zero_blocks,
-             "zero blocks: all layers, K and V", "08"),
-    Exercise("3b", "ex3_scrubbing", "scrub_action", scrubbing.check_scrub_placement,
-             "scrub placement in the block lifecycle", "08"),
-    Exercise("4a", "ex4_isolation_audit", "audit_verdict", isolation.check_audit_verdict,
-             "two-directional verdict", "08"),
-    Exercise("4b", "ex4_isolation_audit", "isolation_audit", isolation.check_isolation_audit,
-             "concurrent isolation audit", "08"),
-    Exercise("5a", "ex5_timing_stats", "ks_test", stats.check_ks_test,
-             "one-sided KS test", "07"),
-    Exercise("5b", "ex5_timing_stats", "roc_auc", stats.check_roc_auc,
-             "ROC AUC of 'faster => hit'", "07"),
-    Exercise("L1", "lab1_prefix_oracle", "extract_secret", labs_oracle.check_oracle_attack,
-             "lab: steal a secret via cached_tokens", "04"),
-    Exercise("L2", "lab2_timing", "extract_secret_by_timing", labs_oracle.check_timing_attack,
-             "lab: steal it from TTFT (self-priming)", "04"),
-    Exercise("L3", "lab3_detector", "detect_probing", labs_detector.check_detector,
-             "lab: probing detector on a trail", "09"),
-    Exercise("C", "capstone_audit", "audit_fleet", capstone.check_capstone,
-             "capstone: audit the mystery fleet", "12"),
-]
+#: One group per module the learner edits: (module, lesson, rows).  A row is (id, the function or
+#: class to implement, its grader, title[, names of the module's attributes the grader also gets]).
+_TABLE = (
+    ("ex1_chained_hash", "07", (
+        ("1a", "encode_fields", hashing.check_encode_fields, "typed, length-prefixed encoding"),
+        ("1b", "chained_block_hash", hashing.check_chained_hash, "chained, domain-separated block hash",
+         ("encode_fields",)))),
+    ("ex2_tenant_keys", "07", (
+        ("2a", "derive_tenant_key", tenant_keys.check_tenant_key_derivation, "server-side per-tenant keys (HMAC)",
+         ("encode_fields",)),
+        ("2b", "TenantKeyedHasher", tenant_keys.check_tenant_keyed_hasher, "tenant-keyed block hasher",
+         ("encode_fields",)),
+        ("2c", "block_keys", tenant_keys.check_block_keys, "tenant key in every block (plumbing)"))),
+    ("ex3_scrubbing", "08", (
+        ("3a", "zero_blocks", scrubbing.check_zero_blocks, "zero blocks: all layers, K and V"),
+        ("3b", "scrub_action", scrubbing.check_scrub_placement, "scrub placement in the block lifecycle"))),
+    ("ex4_isolation_audit", "08", (
+        ("4a", "audit_verdict", isolation.check_audit_verdict, "two-directional verdict"),
+        ("4b", "isolation_audit", isolation.check_isolation_audit, "concurrent isolation audit"))),
+    ("ex5_timing_stats", "07", (
+        ("5a", "ks_test", stats.check_ks_test, "one-sided KS test"),
+        ("5b", "roc_auc", stats.check_roc_auc, "ROC AUC of 'faster => hit'"))),
+    ("lab1_prefix_oracle", "04", (("L1", "extract_secret", labs_oracle.check_oracle_attack,
+                                   "lab: steal a secret via cached_tokens"),)),
+    ("lab2_timing", "04", (("L2", "extract_secret_by_timing", labs_oracle.check_timing_attack,
+                            "lab: steal it from TTFT (self-priming)"),)),
+    ("lab3_detector", "09", (("L3", "detect_probing", labs_detector.check_detector,
+                              "lab: probing detector on a trail"),)),
+    ("capstone_audit", "12", (("C", "audit_fleet", capstone.check_capstone, "capstone: audit the mystery fleet"),)),
+)
+EXERCISES: list[Exercise] = [Exercise(ex_id, module, name, check, title, lesson, *extra)
+                             for module, lesson, rows in _TABLE for ex_id, name, check, title, *extra in rows]
 
 
 def select(ids: list[str] | None) -> list[Exercise]:

@@ -33,10 +33,11 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import Counter
 
 from ..serve.auth import ApiKeys
-from ..serve.limits import ServeLimits, TenantLimiter
+from ..serve.limits import Lease, ServeLimits, TenantLimiter
 from ..serve.metrics import ServerMetrics
 from ..serve.middleware import GuardedStreamingResponse, MetricsMiddleware, QueryStringGuard, install_error_handlers
-from ..serve.protocol import APIError, check_content_length, read_json
+from ..serve.protocol import APIError, read_json
+from ..serve.routes import add_openai_routes
 from . import proxy
 from .routing import SaltAwareRouter
 from .salt import GatewayKeys, Identity, derive_salt
@@ -144,84 +145,70 @@ def create_gateway_app(config: GatewayConfig, keys: GatewayKeys, *, operator_key
         if trail is not None and ids:
             trail.record(who.tenant, ids, upstream=slot, status=status, cached_tokens=cached)
 
-    async def handle(request: Request, chat: bool):
-        who = identity_of(request)
-        limiter.check_rate(who.tenant)
-        check_content_length(request, config.limits.max_body_bytes)
-        lease = await limiter.acquire(who.tenant)
-        handed_off = False
+    async def handle(request: Request, chat: bool, who: Identity, lease: Lease):
+        """An admitted request (:mod:`minikv.serve.routes`): body, salt, upstream, answer."""
+        body = await read_json(request, config.limits.max_body_bytes)
+        n = _max_tokens(body, chat, config.max_tokens_cap)
         try:
-            body = await read_json(request, config.limits.max_body_bytes)
-            n = _max_tokens(body, chat, config.max_tokens_cap)
+            lease.reserve(n)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="max_tokens") from None
+        if "cache_salt" in body or request.headers.get("x-cache-salt") is not None:
+            replaced.labels(tenant=who.tenant).inc()
+        salt = salt_of(who)
+        body = proxy.salted(body, salt)
+        ids: list[int] = []
+        if tokens is not None:
             try:
-                lease.reserve(n)
-            except ValueError as exc:
-                raise APIError(400, str(exc), param="max_tokens") from None
-            if "cache_salt" in body or request.headers.get("x-cache-salt") is not None:
-                replaced.labels(tenant=who.tenant).inc()
-            salt = salt_of(who)
-            body = proxy.salted(body, salt)
-            ids: list[int] = []
-            if tokens is not None:
-                try:
-                    ids = await asyncio.to_thread(tokens.of_body, body, chat)
-                except Exception as exc:   # noqa: BLE001 -- a chat template raises its own kinds
-                    raise APIError(400, f"cannot tokenize the prompt ({type(exc).__name__}): {exc}"[:500]) from None
-            path = "/chat/completions" if chat else "/completions"
-            headers = proxy.upstream_headers(salt, config.upstream_key, config.salt_header)
-            client: httpx.AsyncClient = state["client"]
-            last: APIError | None = None
-            for upstream in router.ranking(salt, ids):   # the best first; the next only if it cannot connect
-                slot = config.upstreams.index(upstream)
-                try:
-                    if body.get("stream"):
-                        resp = await proxy.open_stream(client, upstream.rstrip("/") + path, body, headers)
-                    else:
-                        resp = await proxy.race_disconnect(
-                            request, client.post(upstream.rstrip("/") + path, json=body, headers=headers))
-                        if resp is None:    # the client hung up: the upstream call was cancelled
-                            return Response(status_code=499)
-                except httpx.ConnectError as exc:
-                    upstream_errors.labels(upstream=str(slot), code="connect").inc()
-                    last = proxy.upstream_error(exc, upstream)
-                    continue
-                except httpx.HTTPError as exc:
-                    upstream_errors.labels(upstream=str(slot), code=type(exc).__name__).inc()
-                    raise proxy.upstream_error(exc, upstream) from None
-                if body.get("stream") and resp.status_code == 200:
-                    handed_off = True
-
-                    async def cleanup(resp=resp):
-                        await resp.aclose()
-                        lease.release()
-                    return GuardedStreamingResponse(
-                        proxy.relay(resp, lambda u, slot=slot: finish(who, ids, slot, 200, u)), cleanup,
-                        media_type=resp.headers.get("content-type", "text/event-stream"), headers=proxy.STREAM_HEADERS)
+                ids = await asyncio.to_thread(tokens.of_body, body, chat)
+            except Exception as exc:   # noqa: BLE001 -- a chat template raises its own kinds
+                raise APIError(400, f"cannot tokenize the prompt ({type(exc).__name__}): {exc}"[:500]) from None
+        path = "/chat/completions" if chat else "/completions"
+        headers = proxy.upstream_headers(salt, config.upstream_key, config.salt_header)
+        client: httpx.AsyncClient = state["client"]
+        last: APIError | None = None
+        for upstream in router.ranking(salt, ids):   # the best first; the next only if it cannot connect
+            slot = config.upstreams.index(upstream)
+            try:
                 if body.get("stream"):
-                    await resp.aread()
+                    resp = await proxy.open_stream(client, upstream.rstrip("/") + path, body, headers)
+                else:
+                    resp = await proxy.race_disconnect(
+                        request, client.post(upstream.rstrip("/") + path, json=body, headers=headers))
+                    if resp is None:    # the client hung up: the upstream call was cancelled
+                        return Response(status_code=499)
+            except httpx.ConnectError as exc:
+                upstream_errors.labels(upstream=str(slot), code="connect").inc()
+                last = proxy.upstream_error(exc, upstream)
+                continue
+            except httpx.HTTPError as exc:
+                upstream_errors.labels(upstream=str(slot), code=type(exc).__name__).inc()
+                raise proxy.upstream_error(exc, upstream) from None
+            if body.get("stream") and resp.status_code == 200:
+                release = lease.hand_off()  # the stream outlives this handler
+
+                async def cleanup(resp=resp):
                     await resp.aclose()
-                try:
-                    payload = resp.json()
-                except ValueError:
-                    payload = None
-                finish(who, ids, slot, resp.status_code, payload.get("usage") if isinstance(payload, dict) else None)
-                if payload is None:
-                    return Response(resp.content, status_code=resp.status_code,
-                                    media_type=resp.headers.get("content-type"))
-                return JSONResponse(payload, status_code=resp.status_code)
-            raise last or APIError(502, "no upstream available; the request was not served", "server_error",
-                                   code="upstream_unavailable")
-        finally:
-            if not handed_off:
-                lease.release()
+                    release()
+                return GuardedStreamingResponse(
+                    proxy.relay(resp, lambda u, slot=slot: finish(who, ids, slot, 200, u)), cleanup,
+                    media_type=resp.headers.get("content-type", "text/event-stream"), headers=proxy.STREAM_HEADERS)
+            if body.get("stream"):
+                await resp.aread()
+                await resp.aclose()
+            try:
+                payload = resp.json()
+            except ValueError:
+                payload = None
+            finish(who, ids, slot, resp.status_code, payload.get("usage") if isinstance(payload, dict) else None)
+            if payload is None:
+                return Response(resp.content, status_code=resp.status_code,
+                                media_type=resp.headers.get("content-type"))
+            return JSONResponse(payload, status_code=resp.status_code)
+        raise last or APIError(502, "no upstream available; the request was not served", "server_error",
+                               code="upstream_unavailable")
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await handle(request, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await handle(request, chat=True)
+    add_openai_routes(app, limiter, config.limits.max_body_bytes, identity_of, handle)
 
     @app.get("/v1/models")
     async def models(request: Request):

@@ -4,6 +4,8 @@
                  and ``BackgroundServer`` (uvicorn in a thread on 127.0.0.1, for tests/notebooks)
 * ``auth``    -- API keys -> tenant, the strict keys-file loader (``ApiKeys``, ``load_api_keys``)
 * ``limits``  -- per-tenant limits: rate, concurrency, queue, decode budget (``ServeLimits``)
+* ``routes``  -- the two generation routes and the admission before them (``add_openai_routes``),
+                 shared with ``minikv gateway``
 * ``tokenize`` -- prompt tokenization on a worker thread, control-token checks for chat
 * ``runner``  -- the engine loop thread and the asyncio bridge (``EngineRunner``)
 * ``metrics`` -- Prometheus metrics in a per-app registry (``ServerMetrics``)

@@ -66,13 +66,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from .auth import ApiKeys
-from .limits import ServeLimits, TenantLimiter
+from .limits import Lease, ServeLimits, TenantLimiter
 from .metrics import ServerMetrics
 from .middleware import MetricsMiddleware, QueryStringGuard, install_error_handlers
-from .protocol import (APIError, _chat_messages, _completion_prompt, _field, _sampling_params,
-                       check_content_length, read_json)
+from .protocol import APIError, _chat_messages, _completion_prompt, _field, _sampling_params, read_json
 from .client_salt import check_tenant_names, client_salt, salted_domain
 from .errors import EngineUnavailable, RequestRejected
+from .routes import add_openai_routes
 from .runner import EngineRunner
 from .streaming import Reply
 from .tokenize import ChatPrompt, PromptEncoder
@@ -197,49 +197,34 @@ def create_app(llm_or_engine, api_keys: ApiKeys | Mapping[str, str], *, model_na
         except EngineUnavailable as exc:
             raise APIError(503, str(exc), "server_error", code="engine_unavailable") from None
 
-    async def handle(request: Request, chat: bool):
-        tenant = tenant_of(request)
-        limiter.check_rate(tenant)
-        check_content_length(request, limits.max_body_bytes)
-        lease = await limiter.acquire(tenant)
+    async def handle(request: Request, chat: bool, tenant: str, lease: Lease):
+        """An admitted request (:mod:`minikv.serve.routes`): body, prompt, engine, reply."""
+        body = await read_json(request, limits.max_body_bytes)
+        model = check_model(body)
         max_chars = limits.prompt_chars(engine.max_model_len)
-        handed_off = False
+        if chat:
+            prompt: Any = ChatPrompt(_chat_messages(body, max_chars, limits.max_messages))
+        else:
+            prompt = _completion_prompt(body, max_chars)
+        params = _sampling_params(body, DEFAULT_CHAT_MAX_TOKENS if chat else 16, engine.max_model_len, chat)
         try:
-            body = await read_json(request, limits.max_body_bytes)
-            model = check_model(body)
-            if chat:
-                prompt: Any = ChatPrompt(_chat_messages(body, max_chars, limits.max_messages))
-            else:
-                prompt = _completion_prompt(body, max_chars)
-            params = _sampling_params(body, DEFAULT_CHAT_MAX_TOKENS if chat else 16, engine.max_model_len, chat)
-            try:
-                lease.reserve(params.max_tokens)
-            except ValueError as exc:
-                raise APIError(400, str(exc), param="max_tokens") from None
-            stream_flag = _field(body, "stream", (bool,), False, "a boolean")
-            opts = _field(body, "stream_options", (dict,), {}, "an object")
-            include_usage = bool(opts.get("include_usage", False))
-            # Ignored: body["user"], any "tenant" field; body["cache_salt"] unless trusted (module doc).
-            domain = salted_domain(tenant, client_salt(body)) if trust_client_salt else tenant
-            rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-            stream = await start(rid, prompt, params, domain)
-            reply = Reply(rid, model, chat, usage)
-            if stream_flag:
-                handed_off = True  # the streaming response releases the lease when it ends
-                return reply.streaming(stream, params.stop_strings, include_usage, on_close=lease.release)
-            return await reply.whole(stream, request)
-        finally:
-            if not handed_off:
-                lease.release()
+            lease.reserve(params.max_tokens)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="max_tokens") from None
+        stream_flag = _field(body, "stream", (bool,), False, "a boolean")
+        opts = _field(body, "stream_options", (dict,), {}, "an object")
+        include_usage = bool(opts.get("include_usage", False))
+        # Ignored: body["user"], any "tenant" field; body["cache_salt"] unless trusted (module doc).
+        domain = salted_domain(tenant, client_salt(body)) if trust_client_salt else tenant
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        stream = await start(rid, prompt, params, domain)
+        reply = Reply(rid, model, chat, usage)
+        if stream_flag:  # the stream outlives this handler: it releases the lease when it ends
+            return reply.streaming(stream, params.stop_strings, include_usage, on_close=lease.hand_off())
+        return await reply.whole(stream, request)
 
     # ------------------------------------------------------------------ routes
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await handle(request, chat=False)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await handle(request, chat=True)
+    add_openai_routes(app, limiter, limits.max_body_bytes, tenant_of, handle)
 
     def model_card(model_id: str) -> dict:
         return {"id": model_id, "object": "model", "created": created, "owned_by": "minikv",

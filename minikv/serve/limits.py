@@ -32,6 +32,7 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -169,13 +170,24 @@ class Lease:
     def __init__(self, limiter: TenantLimiter, tenant: str):
         self._limiter, self.tenant = limiter, tenant
         self._tokens = 0
-        self._released = False
+        self._released = self._handed_off = False
 
     def reserve(self, max_tokens: int) -> None:
         """Count ``max_tokens`` against the tenant's budget (ValueError / TooManyRequests)."""
         self._limiter._reserve_tokens(self.tenant, max_tokens)
         if self._limiter.limits.max_tokens_in_flight is not None:
             self._tokens = max_tokens
+
+    def hand_off(self) -> Callable[[], None]:
+        """Pass the duty to release on to whatever outlives the handler (a streaming response,
+        which ends after the handler returned): returns :meth:`release`, for its ``on_close``."""
+        self._handed_off = True
+        return self.release
+
+    def close(self) -> None:
+        """The handler is done: release the slot, unless it was handed off."""
+        if not self._handed_off:
+            self.release()
 
     def release(self) -> None:
         if self._released:

@@ -83,6 +83,16 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_bench)
 
 
+def _detector_monitor(config):
+    """``minikv serve --selective-strategy monitor``'s monitor: the audit detector's probing rule
+    (:class:`~minikv.audit.monitor.DetectorMonitor`).  It is wired in here, at the top, because
+    neither the engine nor the server may import ``minikv.audit`` (docs/ARCHITECTURE.md, "Layers");
+    the import waits until an engine is built, so ``minikv --help`` stays instant."""
+    from .audit.monitor import DetectorMonitor
+
+    return DetectorMonitor(config)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
     from .audit.cli import add_audit_parser
@@ -94,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"minikv {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,serve,gateway,audit,bench}")
     _add_generate(sub)
-    add_serve_parser(sub)
+    add_serve_parser(sub, reuse_monitor=_detector_monitor)
     add_gateway_parser(sub)
     add_audit_parser(sub, extra=[add_isolation_parser])
     _add_bench(sub)

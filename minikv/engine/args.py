@@ -31,8 +31,10 @@ def _quota(text: str):
     return "unlimited" if text == "unlimited" else positive_int(text)
 
 
-def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = True) -> None:
-    """Engine core + isolation policy flags (all default to the engine's own defaults)."""
+def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = True, monitor: bool = False) -> None:
+    """Engine core + isolation policy flags (all default to the engine's own defaults).
+    ``monitor``: offer ``--selective-strategy monitor``, for a command that hands the engine a
+    ``reuse_monitor`` (``minikv serve``: :mod:`minikv.cli` wires the audit detector in)."""
     g = p.add_argument_group("engine")
     g.add_argument("--model", required=model_required,
                    help="model name (smollm2-135m-instruct, tiny-random) or checkpoint directory")
@@ -54,9 +56,11 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = True
                    help="reuse the KV of identical prefix blocks (within the isolation domain)")
     s.add_argument("--cache-isolation", choices=CACHE_ISOLATION,
                    help="tenant (default): hits only within a tenant; request: no reuse; shared: UNSAFE")
-    s.add_argument("--selective-strategy", choices=tuple(n for n in SHARING_STRATEGIES if n != "monitor"),
-                   help="under --cache-isolation selective: k_tenants (default; 'monitor' needs a detector "
-                        "handed in from Python: reuse_monitor=minikv.audit.monitor.DetectorMonitor)")
+    s.add_argument("--selective-strategy", choices=tuple(n for n in SHARING_STRATEGIES if monitor or n != "monitor"),
+                   help="under --cache-isolation selective: k_tenants (default: share a block once k tenants "
+                        "computed it)" + (" or monitor (share until the audit detector flags a prober, then "
+                        "isolate it; UNSAFE before the first flag)" if monitor else "; 'monitor' needs the "
+                        "audit detector: minikv serve, or reuse_monitor= from Python"))
     s.add_argument("--selective-k", type=positive_int,
                    help="k_tenants: distinct tenants that must compute a block before it is shared "
                         "(default 3; an attacker needs k-1 accounts; 2 is UNSAFE)")

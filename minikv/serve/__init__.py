@@ -9,7 +9,7 @@
 * ``tokenize`` -- prompt tokenization on a worker thread, control-token checks for chat
 * ``runner``  -- the engine loop thread and the asyncio bridge (``EngineRunner``)
 * ``metrics`` -- Prometheus metrics in a per-app registry (``ServerMetrics``)
-* ``cli``     -- ``minikv serve`` flags, shared engine/policy flags (``add_serve_parser``)
+* ``cli``     -- ``minikv serve`` flags, shared engine/policy flags (``add_serve_parser``, ``app_from_args``)
 
 Names are resolved lazily so that ``minikv.serve.cli`` (argparse only) imports without FastAPI
 or torch.

@@ -40,26 +40,22 @@ def limits_from_args(args: argparse.Namespace):
     return ServeLimits(**given)
 
 
-def _cmd_serve(args: argparse.Namespace) -> int:
-    from .app import create_app, create_metrics_app
+def app_from_args(args: argparse.Namespace):
+    """``(app, operator keys)``: what ``minikv serve`` runs for ``args`` -- keys, limits, the engine
+    (with ``args.reuse_monitor`` handed in under ``--selective-strategy monitor``) and the app
+    around it.  Bad settings raise (OSError, ValueError, TypeError, RuntimeError) before a port
+    is opened; warnings about them go to stderr."""
+    from ..llm import LLM
+    from .app import create_app
     from .auth import load_api_keys
 
-    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        keys = load_api_keys(args.api_keys)
-        ops = load_api_keys(args.operator_keys, what="operator") if args.operator_keys else None
-        limits = limits_from_args(args)
-    except (OSError, ValueError, TypeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    try:
-        kwargs = engine_kwargs_from_args(args)
-        from ..llm import LLM
-        llm = LLM(**kwargs)
-    except (OSError, ValueError, TypeError, RuntimeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    keys = load_api_keys(args.api_keys)
+    ops = load_api_keys(args.operator_keys, what="operator") if args.operator_keys else None
+    limits = limits_from_args(args)
+    kwargs = engine_kwargs_from_args(args)
+    if kwargs.get("selective_strategy") == "monitor":
+        kwargs["reuse_monitor"] = args.reuse_monitor  # set by the parser's composition root
+    llm = LLM(**kwargs)
     if args.trust_client_salt and llm.engine.config.cache_isolation != "tenant":
         print("warning: --trust-client-salt has no effect unless --cache-isolation tenant", file=sys.stderr)
     unsafe = llm.engine.config.unsafe_settings()
@@ -72,6 +68,21 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     app = create_app(llm, keys, model_name=args.served_model_name or args.model,
                      report_cached_tokens=args.report_cached_tokens, limits=limits, operator_keys=ops,
                      trust_client_salt=args.trust_client_salt)
+    return app, ops
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from .app import create_metrics_app
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        app, ops = app_from_args(args)
+    except (OSError, ValueError, TypeError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    engine, keys = app.state.engine, app.state.api_keys
+
     import asyncio
 
     import uvicorn
@@ -92,8 +103,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         asyncio.run(serve_all())
     finally:
-        if llm.engine.audit is not None:  # write the summaries of requests still in flight
-            llm.engine.audit.close()
+        if engine.audit is not None:  # write the summaries of requests still in flight
+            engine.audit.close()
     return 0
 
 
@@ -131,8 +142,13 @@ def _add_limit_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-messages", type=positive_int, help="most messages in one chat request (-> 400)")
 
 
-def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Register ``serve`` on a subparsers action; sets ``func`` to the handler."""
+def add_serve_parser(subparsers: argparse._SubParsersAction, reuse_monitor=None) -> argparse.ArgumentParser:
+    """Register ``serve`` on a subparsers action; sets ``func`` to the handler.
+
+    ``reuse_monitor``: the factory ``--selective-strategy monitor`` hands the engine
+    (``EngineConfig.reuse_monitor``); without one that strategy is not offered.  The server may
+    not import ``minikv.audit``, where minikv's monitor lives (tests/test_layering.py), so the
+    ``minikv`` command, which sits above both, passes it in (:mod:`minikv.cli`)."""
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
                               description="Serve /v1/completions, /v1/chat/completions, /v1/models, "
                                           "/health and (operators only) /metrics.  The tenant of each request is the "
@@ -155,6 +171,6 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.add_argument("--no-access-log", action="store_true", help="no per-request access log lines")
     _add_limit_arguments(p)
-    add_engine_arguments(p)
-    p.set_defaults(func=_cmd_serve)
+    add_engine_arguments(p, monitor=reuse_monitor is not None)
+    p.set_defaults(func=_cmd_serve, reuse_monitor=reuse_monitor)
     return p

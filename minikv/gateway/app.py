@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any

@@ -28,7 +28,8 @@ client that disconnects has its request aborted (``engine.abort_request``), stre
 One request's path, cheapest check first
 -----------------------------------------
 A tenant must not be able to slow the others down, not even with requests that are refused
-anyway, so every check runs before the next, more expensive step (:mod:`minikv.serve.limits`):
+anyway, so every check runs before the next, more expensive step (:mod:`minikv.serve.limits`;
+steps 1 and 2 are :mod:`minikv.serve.routes`, which the gateway shares):
 
 1. API key -> tenant (401), then the tenant's request rate (429), then ``Content-Length`` (413):
    nothing of the body has been read yet;

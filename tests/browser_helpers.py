@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -21,6 +22,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
@@ -171,3 +174,60 @@ class JupyterLab:
 def launch_chromium(playwright):
     """Headless Debian Chromium through playwright (never a downloaded browser)."""
     return playwright.chromium.launch(executable_path=CHROMIUM, headless=True, args=CHROMIUM_ARGS)
+
+
+def accept_kernel_dialog(page) -> None:
+    """If JupyterLab still asks which kernel to use, keep its (preselected) Python 3."""
+    dialog = page.locator(".jp-Dialog")
+    try:
+        dialog.wait_for(timeout=3_000)
+    except Exception:  # noqa: BLE001 -- no dialog: the kernel was attached directly
+        return
+    dialog.locator(".jp-Dialog-button.jp-mod-accept").click()
+
+
+@dataclass
+class OpenNotebook:
+    """What :func:`open_and_run_all` yields: the browser page, the server, the notebook's kernel."""
+
+    page: object
+    lab: JupyterLab
+    kernel_id: str
+
+
+@contextmanager
+def open_and_run_all(notebook: Path, failure_png: Path):
+    """``with open_and_run_all(path, png) as nb:`` -- serve ``notebook``'s directory with
+    JupyterLab, open the notebook in headless Chromium, wait until its kernel answers, and
+    start Run > Run All Cells through the menu bar, as a learner would.  The body waits for
+    whatever output it needs (the cells are still running when it starts).  If the body fails,
+    a screenshot goes to ``failure_png`` and the server's log is printed; the browser and the
+    server are shut down either way."""
+    from playwright.sync_api import sync_playwright
+
+    with JupyterLab(notebook.parent) as lab, sync_playwright() as pw:
+        browser = launch_chromium(pw)
+        page = None
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.set_default_timeout(60_000)
+            # the kernel is started first, so that JupyterLab attaches to it instead of asking
+            kernel_id = lab.start_kernel_for(notebook.name)
+            page.goto(lab.url(notebook.name))
+            page.wait_for_selector(".jp-Notebook .jp-Cell", state="attached")
+            accept_kernel_dialog(page)
+            lab.wait_kernel_idle(kernel_id)  # the browser is connected and the kernel answers
+            page.locator(".lm-MenuBar-item", has_text=re.compile(r"^Run$")).click()
+            page.locator(".lm-Menu-item:visible", has_text=re.compile(r"^Run All Cells")).first.click()
+            yield OpenNotebook(page, lab, kernel_id)
+        except Exception:
+            if page is not None:
+                try:
+                    failure_png.parent.mkdir(parents=True, exist_ok=True)
+                    page.screenshot(path=str(failure_png))
+                except Exception:  # noqa: BLE001 -- the log below still says what happened
+                    pass
+            print(lab.log())
+            raise
+        finally:
+            browser.close()

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser_helpers import CHROMIUM, REPO, JupyterLab, copy_notebook, launch_chromium
+from tests.browser_helpers import CHROMIUM, REPO, copy_notebook, open_and_run_all
 
 pytestmark = [pytest.mark.browser, pytest.mark.model, pytest.mark.slow]
 
@@ -53,16 +53,6 @@ def _requirements():
         pytest.fail(f"{LESSON.relative_to(REPO)} does not exist")
 
 
-def _accept_kernel_dialog(page) -> None:
-    """If JupyterLab still asks which kernel to use, keep its (preselected) Python 3."""
-    dialog = page.locator(".jp-Dialog")
-    try:
-        dialog.wait_for(timeout=3_000)
-    except Exception:  # noqa: BLE001 -- no dialog: the kernel was attached directly
-        return
-    dialog.locator(".jp-Dialog-button.jp-mod-accept").click()
-
-
 def _dismiss_news_toast(page) -> None:
     """JupyterLab asks once whether to fetch Jupyter news; answer no (nothing is fetched)."""
     button = page.locator(".jp-toast-button", has_text=re.compile(r"^No$"))
@@ -76,99 +66,74 @@ def _uses_explorer(source: str) -> bool:
 
 def test_lesson02_pool_explorer_in_jupyterlab(tmp_path, smollm2_path):
     _requirements()
-    from playwright.sync_api import sync_playwright
-
     nb_src = LESSON.read_text()
     assert "PoolExplorer(" in nb_src, "lesson 02 no longer builds a PoolExplorer"
     # Cells after the explorer do not affect it; running them would only cost time.
     copy = copy_notebook(LESSON, tmp_path, extra_code=PROBE_CELL, stop_after=_uses_explorer)
 
     t0 = time.monotonic()
-    with JupyterLab(tmp_path) as lab, sync_playwright() as pw:
-        browser = launch_chromium(pw)
+    with open_and_run_all(copy, SCREENSHOT.with_name("lesson02-failure.png")) as nb:
+        page = nb.page
+        frames_out = page.locator(".jp-OutputArea-output", has_text=MARKER)
+        frames_out.wait_for(timeout=RUN_TIMEOUT_MS)
+        print(f"[browser] lesson 02 ran in the browser after {time.monotonic() - t0:.0f} s")
+        text = frames_out.inner_text()
+        frames = json.loads(text[text.index(MARKER) + len(MARKER):].strip())
+        assert len(frames) > 3, "lesson 02's explorer should have several frames"
+
+        summary = page.locator(".minikv-summary")
+        summary.wait_for(timeout=30_000)
+        _dismiss_news_toast(page)
+        image = page.locator(".minikv-pool-image").first
+        image_before = image.get_attribute("src")
+        before = summary.inner_text().strip()
+        assert before == frames[0], (before, frames[0])
+        assert SUMMARY_RE.match(before), before
+
+        # move the slider: focus its handle and press the right arrow a few times
+        slider = page.locator(".minikv-frame-slider")
+        handle = slider.locator(".noUi-handle").first
+        handle.scroll_into_view_if_needed()
+        handle.click()
+        presses = min(5, len(frames) - 1)
+        for _ in range(presses):
+            handle.press("ArrowRight")
+        page.wait_for_function(
+            "([sel, old]) => { const e = document.querySelector(sel);"
+            " return e && e.textContent.trim() !== old; }",
+            arg=[".minikv-summary", before], timeout=20_000)
+        frame = int(slider.locator(".widget-readout").first.inner_text().strip())
+        assert 0 < frame < len(frames)
+        # each key press is a round trip to the kernel, which renders that frame; wait for the
+        # view to catch up with the slider
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.set_default_timeout(60_000)
-            kernel_id = lab.start_kernel_for(copy.name)
-            page.goto(lab.url(copy.name))
-            page.wait_for_selector(".jp-Notebook .jp-Cell", state="attached")
-            _accept_kernel_dialog(page)
-            lab.wait_kernel_idle(kernel_id)       # the browser is connected and the kernel answers
-
-            # Run > Run All Cells, through the menu bar as a learner would
-            page.locator(".lm-MenuBar-item", has_text=re.compile(r"^Run$")).click()
-            page.locator(".lm-Menu-item:visible", has_text=re.compile(r"^Run All Cells")).first.click()
-
-            frames_out = page.locator(".jp-OutputArea-output", has_text=MARKER)
-            frames_out.wait_for(timeout=RUN_TIMEOUT_MS)
-            print(f"[browser] lesson 02 ran in the browser after {time.monotonic() - t0:.0f} s")
-            text = frames_out.inner_text()
-            frames = json.loads(text[text.index(MARKER) + len(MARKER):].strip())
-            assert len(frames) > 3, "lesson 02's explorer should have several frames"
-
-            summary = page.locator(".minikv-summary")
-            summary.wait_for(timeout=30_000)
-            _dismiss_news_toast(page)
-            image = page.locator(".minikv-pool-image").first
-            image_before = image.get_attribute("src")
-            before = summary.inner_text().strip()
-            assert before == frames[0], (before, frames[0])
-            assert SUMMARY_RE.match(before), before
-
-            # move the slider: focus its handle and press the right arrow a few times
-            slider = page.locator(".minikv-frame-slider")
-            handle = slider.locator(".noUi-handle").first
-            handle.scroll_into_view_if_needed()
-            handle.click()
-            presses = min(5, len(frames) - 1)
-            for _ in range(presses):
-                handle.press("ArrowRight")
             page.wait_for_function(
-                "([sel, old]) => { const e = document.querySelector(sel);"
-                " return e && e.textContent.trim() !== old; }",
-                arg=[".minikv-summary", before], timeout=20_000)
-            frame = int(slider.locator(".widget-readout").first.inner_text().strip())
-            assert 0 < frame < len(frames)
-            # each key press is a round trip to the kernel, which renders that frame; wait for the
-            # view to catch up with the slider
-            try:
-                page.wait_for_function(
-                    "([sel, want]) => { const e = document.querySelector(sel);"
-                    " return e && e.textContent.trim() === want; }",
-                    arg=[".minikv-summary", frames[frame]], timeout=60_000)
-            except Exception:  # noqa: BLE001 -- report what the view shows instead
-                pass
-            after = summary.inner_text().strip()
+                "([sel, want]) => { const e = document.querySelector(sel);"
+                " return e && e.textContent.trim() === want; }",
+                arg=[".minikv-summary", frames[frame]], timeout=60_000)
+        except Exception:  # noqa: BLE001 -- report what the view shows instead
+            pass
+        after = summary.inner_text().strip()
 
-            assert after != before
-            m = SUMMARY_RE.match(after)
-            assert m, after
-            assert after == frames[frame], f"slider at frame {frame} but the view shows {after!r}"
-            # lesson 02 records one snapshot per engine step, starting from the empty pool
-            assert int(m.group(1)) == frame
+        assert after != before
+        m = SUMMARY_RE.match(after)
+        assert m, after
+        assert after == frames[frame], f"slider at frame {frame} but the view shows {after!r}"
+        # lesson 02 records one snapshot per engine step, starting from the empty pool
+        assert int(m.group(1)) == frame
 
-            # the picture follows the label in the same kernel round trip: wait for it too
-            lab.wait_kernel_idle(kernel_id)
-            page.wait_for_function(
-                "([sel, old]) => { const e = document.querySelector(sel);"
-                " return e && e.getAttribute('src') !== old; }",
-                arg=[".minikv-pool-image", image_before], timeout=20_000)
-            page.wait_for_timeout(500)
+        # the picture follows the label in the same kernel round trip: wait for it too
+        nb.lab.wait_kernel_idle(nb.kernel_id)
+        page.wait_for_function(
+            "([sel, old]) => { const e = document.querySelector(sel);"
+            " return e && e.getAttribute('src') !== old; }",
+            arg=[".minikv-pool-image", image_before], timeout=20_000)
+        page.wait_for_timeout(500)
 
-            SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-            page.locator(".minikv-pool-explorer").scroll_into_view_if_needed()
-            page.screenshot(path=str(SCREENSHOT))
-            shutil.copy(SCREENSHOT, tmp_path / SCREENSHOT.name)  # also kept with the test's tmp files
-        except Exception:
-            SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-            try:
-                page.screenshot(path=str(SCREENSHOT.with_name("lesson02-failure.png")))
-            except Exception:  # noqa: BLE001
-                pass
-            print(lab.log())
-            raise
-        finally:
-            browser.close()
+        SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+        page.locator(".minikv-pool-explorer").scroll_into_view_if_needed()
+        page.screenshot(path=str(SCREENSHOT))
+        shutil.copy(SCREENSHOT, tmp_path / SCREENSHOT.name)  # also kept with the test's tmp files
     elapsed = time.monotonic() - t0
     print(f"[browser] done in {elapsed:.0f} s; screenshot: {SCREENSHOT.relative_to(REPO)}")
     assert elapsed < 300
@@ -196,7 +161,6 @@ def test_lesson03_whatif_and_oracle_game_in_jupyterlab(tmp_path):
     the shared engine reports cached tokens while the isolated one reports 0."""
     _requirements()
     import nbformat
-    from playwright.sync_api import sync_playwright
 
     from minikv.viz.oracle_game import SECRET
 
@@ -210,45 +174,24 @@ def test_lesson03_whatif_and_oracle_game_in_jupyterlab(tmp_path):
     nbformat.write(copy, path)
 
     t0 = time.monotonic()
-    with JupyterLab(tmp_path) as lab, sync_playwright() as pw:
-        browser = launch_chromium(pw)
-        try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
-            page.set_default_timeout(60_000)
-            kernel_id = lab.start_kernel_for(path.name)
-            page.goto(lab.url(path.name))
-            page.wait_for_selector(".jp-Notebook .jp-Cell", state="attached")
-            _accept_kernel_dialog(page)
-            lab.wait_kernel_idle(kernel_id)
-            page.locator(".lm-MenuBar-item", has_text=re.compile(r"^Run$")).click()
-            page.locator(".lm-Menu-item:visible", has_text=re.compile(r"^Run All Cells")).first.click()
+    with open_and_run_all(path, SCREENSHOT.with_name("lesson03-failure.png")) as nb:
+        page = nb.page
+        summary = ".minikv-whatif-summary"
+        before = _wait_text(page, summary, r"isolation=shared .*cross-tenant hits=[1-9]", RUN_TIMEOUT_MS)
+        _dismiss_news_toast(page)
+        assert re.search(r"same-tenant hits=[1-9]", before), before
+        page.locator(".minikv-whatif-isolation select").select_option("tenant")
+        after = _wait_text(page, summary, r"isolation=tenant ")
+        assert "cross-tenant hits=0 " in after, after
+        assert re.search(r"same-tenant hits=[1-9]", after), after   # isolation keeps own hits
 
-            summary = ".minikv-whatif-summary"
-            before = _wait_text(page, summary, r"isolation=shared .*cross-tenant hits=[1-9]", RUN_TIMEOUT_MS)
-            _dismiss_news_toast(page)
-            assert re.search(r"same-tenant hits=[1-9]", before), before
-            page.locator(".minikv-whatif-isolation select").select_option("tenant")
-            after = _wait_text(page, summary, r"isolation=tenant ")
-            assert "cross-tenant hits=0 " in after, after
-            assert re.search(r"same-tenant hits=[1-9]", after), after   # isolation keeps own hits
-
-            guess = page.locator(".minikv-oracle-guess input")
-            guess.scroll_into_view_if_needed()
-            guess.fill(SECRET)
-            guess.press("Enter")
-            said = _wait_text(page, ".minikv-oracle-summary", r"cached_tokens shared=")
-            m = re.search(r"cached_tokens shared=(\d+) isolated=(\d+)", said)
-            assert m and int(m.group(1)) > 0 and int(m.group(2)) == 0, said
-            assert SECRET in said
-            print(f"[browser] what-if: {after}\n[browser] oracle: {said}")
-        except Exception:
-            try:
-                SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
-                page.screenshot(path=str(SCREENSHOT.with_name("lesson03-failure.png")))
-            except Exception:  # noqa: BLE001
-                pass
-            print(lab.log())
-            raise
-        finally:
-            browser.close()
+        guess = page.locator(".minikv-oracle-guess input")
+        guess.scroll_into_view_if_needed()
+        guess.fill(SECRET)
+        guess.press("Enter")
+        said = _wait_text(page, ".minikv-oracle-summary", r"cached_tokens shared=")
+        m = re.search(r"cached_tokens shared=(\d+) isolated=(\d+)", said)
+        assert m and int(m.group(1)) > 0 and int(m.group(2)) == 0, said
+        assert SECRET in said
+        print(f"[browser] what-if: {after}\n[browser] oracle: {said}")
     print(f"[browser] lesson 03 widgets done in {time.monotonic() - t0:.0f} s")

@@ -3,7 +3,7 @@
 # then run `make grade` (or the check cell in the lesson).  The imports below are the ones the
 # reference solution uses.  Course maintainers: edit solutions/ex3_scrubbing.py and regenerate; never
 # edit this file by hand.
-# minikv-stub: fcfdd56e22712991
+# minikv-stub: 93e22f8b10515ea8
 """Exercise 3 (lesson 08): scrubbing KV blocks, at the right moment of their life.
 
 A freed KV block keeps its previous owner's keys and values until something overwrites them,
@@ -13,7 +13,8 @@ so that no request can ever be handed another request's leftovers.
 * 3a ``zero_blocks`` -- zero exactly the given blocks, in every layer, K and V, with one
   indexed write per tensor (no Python loop over blocks: on a GPU, one kernel launch);
 * 3b ``scrub_action`` -- *scrub placement*: for each block-lifecycle transition (the vocabulary
-  of ``minikv.engine.lifecycle``: allocate, hit, store, cache, free, evict, promote, isolate),
+  of ``minikv.engine.lifecycle``: allocate, hit, adopt, store, cache, free, evict, promote,
+  isolate),
   decide whether the engine must zero the blocks (``ZERO``) or keep them (``KEEP``).  The engine
   reaches those transitions on many paths -- a request that finishes, is preempted or aborted, an
   LRU or quota eviction, an operator's ``reset_prefix_cache`` -- and your decision must be right on
@@ -69,8 +70,10 @@ def scrub_action(transition: Transition, seq) -> str:
       a block must be zero by the time it is handed to a new owner without a cache hit, whichever
       path released it (finish, preemption, abort, LRU eviction, quota eviction, operator reset);
     * never destroy data that is still meant to be read: a running request's own K/V, a block
-      stored in the prefix cache, a hit.  Outputs must equal a cache-off engine's, and same-tenant
-      hits must still happen (a scrubber that wipes every hit fails);
+      stored in the prefix cache, a hit, an adopted twin (two requests with one prefix in one
+      step: the second swaps its copy for the first's, which both now read).  Outputs must equal a
+      cache-off engine's, and same-tenant hits must still happen (a scrubber that wipes every hit
+      fails);
     * raises ``ValueError`` for anything that is not a lifecycle transition.
 
     Think about it with ``LIFECYCLE``: which rows put a block's old bytes within a NEW reader's

@@ -7,7 +7,8 @@ so that no request can ever be handed another request's leftovers.
 * 3a ``zero_blocks`` -- zero exactly the given blocks, in every layer, K and V, with one
   indexed write per tensor (no Python loop over blocks: on a GPU, one kernel launch);
 * 3b ``scrub_action`` -- *scrub placement*: for each block-lifecycle transition (the vocabulary
-  of ``minikv.engine.lifecycle``: allocate, hit, store, cache, free, evict, promote, isolate),
+  of ``minikv.engine.lifecycle``: allocate, hit, adopt, store, cache, free, evict, promote,
+  isolate),
   decide whether the engine must zero the blocks (``ZERO``) or keep them (``KEEP``).  The engine
   reaches those transitions on many paths -- a request that finishes, is preempted or aborted, an
   LRU or quota eviction, an operator's ``reset_prefix_cache`` -- and your decision must be right on
@@ -75,8 +76,10 @@ def scrub_action(transition: Transition, seq) -> str:
       a block must be zero by the time it is handed to a new owner without a cache hit, whichever
       path released it (finish, preemption, abort, LRU eviction, quota eviction, operator reset);
     * never destroy data that is still meant to be read: a running request's own K/V, a block
-      stored in the prefix cache, a hit.  Outputs must equal a cache-off engine's, and same-tenant
-      hits must still happen (a scrubber that wipes every hit fails);
+      stored in the prefix cache, a hit, an adopted twin (two requests with one prefix in one
+      step: the second swaps its copy for the first's, which both now read).  Outputs must equal a
+      cache-off engine's, and same-tenant hits must still happen (a scrubber that wipes every hit
+      fails);
     * raises ``ValueError`` for anything that is not a lifecycle transition.
 
     Think about it with ``LIFECYCLE``: which rows put a block's old bytes within a NEW reader's
@@ -98,10 +101,11 @@ def scrub_action(transition: Transition, seq) -> str:
         # Every block reaches the free list through FREE or EVICT, and the pool starts zeroed, so a
         # freshly allocated block is already clean: zeroing again would be safe, but twice the work.
         return KEEP
-    if transition in (Transition.HIT, Transition.STORE, Transition.CACHE, Transition.PROMOTE,
-                      Transition.ISOLATE):
-        # Reuse is the point of the cache: a hit, a stored block, a block released INTO the cache and
-        # a re-keyed block all hold data that a reader is meant to see.
+    if transition in (Transition.HIT, Transition.ADOPT, Transition.STORE, Transition.CACHE,
+                      Transition.PROMOTE, Transition.ISOLATE):
+        # Reuse is the point of the cache: a hit, an adopted twin (live in two block tables now), a
+        # stored block, a block released INTO the cache and a re-keyed block all hold data that a
+        # reader is meant to see.  (The duplicate an adoption lets go of leaves through FREE.)
         return KEEP
     raise ValueError(f"no scrub decision for transition {transition!r}")  # a new row: decide it first
     # END SOLUTION

@@ -68,6 +68,35 @@ def test_tenant_isolation_passes_and_sees_hits(tiny_path):
     assert d["verdict"] == PASS and d["violation"] is False
 
 
+@pytest.mark.parametrize("isolation", ["shared", "tenant"])
+@pytest.mark.parametrize("first, second", [("alice", "bob"), ("bob", "alice"), ("alice", "alice")])
+def test_an_adopted_block_counts_like_a_hit(tiny_path, monkeypatch, isolation, first, second):
+    """One wave of two requests with one prompt, admitted in the same step: the second computes the
+    prompt's blocks too, then adopts the first's copy at commit (no hit at admission).  Another
+    tenant's adopted block is a violation, in both directions; the same tenant's is a same-tenant reuse."""
+    from minikv.audit import isolation_engine
+    from minikv.audit.isolation import AuditRequest
+    prompt = "adopt " + " ".join(f"w{i}" for i in range(60))
+    wave = [AuditRequest(0, "private-prime", first, prompt), AuditRequest(0, "private-copy", second, prompt)]
+    monkeypatch.setattr(isolation_engine, "build_workload", lambda *a, **k: [wave])
+    llm = LLM(**engine_kwargs(tiny_path, enable_prefix_caching=True, cache_isolation=isolation))
+    adopted = []
+    llm.engine.block_manager.listeners.append(lambda t, ids, seq: adopted.extend(ids) if t == "adopt" else None)
+    r = audit_engine(llm, arrivals_per_step=2)
+    assert r.by_label["private-copy"]["cached_tokens"] == 0  # nothing was cached at admission
+    if first == second or isolation == "shared":
+        assert adopted, "the scenario must adopt"
+        reused = 16 * len(adopted)
+        if first != second:
+            assert r.verdict == FAIL and r.cross_tenant_cached_tokens == reused
+            assert r.violations == [{"label": "private-copy", "tenant": second, "cached_tokens": reused,
+                                     "owners": [first]}]
+        else:
+            assert r.cross_tenant_cached_tokens == 0 and r.same_tenant_cached_tokens == reused
+    else:  # tenant isolation: another tenant's twin is in another domain, never adopted
+        assert not adopted and r.cross_tenant_cached_tokens == 0 and not r.violation
+
+
 def test_one_sided_audit_is_insufficient_without_caching(tiny_path):
     """Caching off: nothing can leak, but nothing can be *seen* either.  A one-sided auditor
     (cross-tenant == 0 -> pass) passes; ours must say inconclusive (vLLM docs PR #53347)."""

@@ -64,7 +64,7 @@ def test_request_level_is_the_default_one_summary_per_request_and_no_content(bas
     assert {e["v"] for e in events} == {2} and len({e["engine"] for e in events}) == 1
     assert events[0]["level"] == "request" and events[0]["block_size"] == 16
     s = events[1]
-    assert set(s["blocks"]) == {"allocated", "hit", "stored", "evicted", "scrubbed"}
+    assert set(s["blocks"]) == {"allocated", "hit", "adopted", "stored", "evicted", "scrubbed"}
     assert len(s["prefix_fps"]) == s["num_prompt_tokens"] // 16 and len(s["tail_fp"]) == 16
     assert s["finish_reason"] == "length" and s["num_output_tokens"] == 2
     assert len({(e["engine"], e["request_id"]) for e in events[1:]}) == len(jobs)
@@ -94,20 +94,66 @@ def test_both_levels_record_the_same_decisions(base, tmp_path):
     for rid, s in summaries.items():
         evs = per_req[rid]
         kinds = Counter(e["event"] for e in evs)
-        assert s["blocks"] == {"allocated": kinds["allocate"], "hit": kinds["hit"], "stored": kinds["store"],
-                               "evicted": kinds["evict"], "scrubbed": kinds["scrub"]}
+        assert s["blocks"] == {"allocated": kinds["allocate"], "hit": kinds["hit"], "adopted": kinds["adopt"],
+                               "stored": kinds["store"], "evicted": kinds["evict"], "scrubbed": kinds["scrub"]}
         assert s["hit_fps"] == [e["fp"] for e in evs if e["event"] == "hit"]
+        assert s["adopted_fps"] == [e["fp"] for e in evs if e["event"] == "adopt"]
         assert s["stored_fps"] == [e["fp"] for e in evs if e["event"] == "store"]
         assert Counter(dict(map(tuple, s["evicted_owners"]))) == Counter(
             e["owner_tenant"] for e in evs if e["event"] == "evict")
-        assert Counter(dict(map(tuple, s["cross_tenant_hits"]))) == Counter(
-            e["owner_tenant"] for e in evs if e["event"] == "hit" and e["owner_tenant"] != e["tenant"])
+        assert Counter(dict(map(tuple, s["cross_tenant_hits"]))) == Counter(  # adoptions are reuses too
+            e["owner_tenant"] for e in evs if e["event"] in ("hit", "adopt") and e["owner_tenant"] != e["tenant"])
         (req,) = [e for e in evs if e["event"] == "request"]
         assert (s["prefix_fps"], s["tail_fp"]) == (req["prefix_fps"], req["tail_fp"])
     assert sum(s["blocks"]["evicted"] for s in summaries.values()) > 0  # the pool was under pressure
+    assert sum(s["blocks"]["adopted"] for s in summaries.values()) > 0  # same-step twins were adopted
     assert any(s["cross_tenant_hits"] for s in summaries.values())  # shared mode: mallory read alice's
     found = {lvl: [(f.kind, f.tenant, f.detail, f.request_ids) for f in detect(ev)] for lvl, ev in trails.items()}
     assert found["request"] == found["block"] and ("cross_tenant_hit", "mallory") in [f[:2] for f in found["block"]]
+
+
+# ----------------------------------------------------------------------------- hits and adoptions
+PAIRS = {"one tenant": ("alice", "alice"), "alice first": ("alice", "mallory"), "mallory first": ("mallory", "alice")}
+
+
+@pytest.mark.parametrize("pair", PAIRS)
+@pytest.mark.parametrize("isolation", ["tenant", "shared"])
+def test_a_same_step_twin_is_an_adopt_record_and_a_later_repeat_a_hit(base, tmp_path, isolation, pair):
+    """Two requests with one 3-block prefix in one step: the second computes the prefix too, then
+    adopts the first's copy at commit -- an ``adopt`` record, never a ``hit`` (it cached nothing at
+    admission).  A third request, a step later, hits the blocks -- a ``hit`` record.  Across tenants,
+    a shared cache adopts and hits the other tenant's blocks (both reported as cross-tenant, in both
+    directions); tenant isolation does neither, and its repeat hits the tenant's own blocks."""
+    first, second = PAIRS[pair]
+    rng = random.Random(7)
+    prefix = toks(rng, 48)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnsafeSettingWarning)
+        runs = {}
+        for level in LEVELS:
+            llm, path = trail_of(base, tmp_path, level, engine_secret=SECRET, cache_isolation=isolation)
+            twins = llm.generate([prefix + toks(rng, 5), prefix + toks(rng, 5)], GREEDY, tenant=[first, second])
+            repeat = llm.generate([prefix + toks(rng, 5)], GREEDY, tenant=second)[0]
+            llm.engine.audit.close()
+            runs[level] = (load_trail(path), [o.num_cached_tokens for o in twins] + [repeat.num_cached_tokens])
+    (events, cached), (summaries, cached_r) = runs["block"], runs["request"]
+    assert cached == cached_r
+    shares = first == second or isolation == "shared"
+    assert cached == [0, 0, 48]  # an adoption caches nothing at admission; the repeat hits all 3 blocks
+    reuse = [(e["event"], e["request_id"], e["tenant"], e["owner_tenant"]) for e in events
+             if e["event"] in ("hit", "adopt")]
+    adopted = [("adopt", "1", second, first)] * 3 if shares else []
+    owner = first if shares else second  # a shared cache kept only the first copy
+    assert reuse == adopted + [("hit", "2", second, owner)] * 3
+    by_id = {s["request_id"]: s for s in summaries if s["event"] == "summary"}
+    assert [(by_id[r]["blocks"]["hit"], by_id[r]["blocks"]["adopted"]) for r in "012"] == [
+        (0, 0), (0, 3 if shares else 0), (3, 0)]
+    assert len(by_id["1"]["adopted_fps"]) == by_id["1"]["blocks"]["adopted"] and not by_id["1"]["hit_fps"]
+    cross = first != second and isolation == "shared"
+    assert [by_id[r]["cross_tenant_hits"] for r in "012"] == ([[], [[first, 3]], [[first, 3]]] if cross else [[]] * 3)
+    for evs in (events, summaries):  # the detector sees the adoption and the hit, at both levels
+        found = [(f.kind, f.tenant, f.request_ids) for f in detect(evs) if f.kind == "cross_tenant_hit"]
+        assert found == ([("cross_tenant_hit", second, ("1", "2"))] if cross else [])
 
 
 def test_abort_and_close_still_write_a_summary(base, tmp_path):

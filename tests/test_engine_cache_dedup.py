@@ -114,8 +114,9 @@ def test_a_colliding_twin_is_not_adopted_and_still_counts_as_a_rejected_hit():
 
 
 def test_a_same_step_duplicate_is_freed_and_its_twin_adopted():
-    """Block-manager level: the second sequence swaps its copy for the twin (one hit event), its
-    copy goes back to the free list (one free event), and its next block chains onto the twin."""
+    """Block-manager level: the second sequence swaps its copy for the twin (one adopt event, no
+    hit event: nothing was cached when it was admitted), its copy goes back to the free list (one
+    free event), and its next block chains onto the twin.  A later sequence's reuse is a hit."""
     events = []
     bm = BlockManager(16, 4, hasher=lambda p, t, e, k: repr((p, t, k)).encode(), enable_caching=True)
     bm.listeners.append(lambda ev, ids, seq: events.append((str(ev), seq.request_id, list(ids))))
@@ -128,13 +129,15 @@ def test_a_same_step_duplicate_is_freed_and_its_twin_adopted():
         bm.commit(s)
     assert b.block_table[0] == a.block_table[0] and bm.blocks[a.block_table[0]].ref_count == 2
     assert b_copy in bm.free_ids
-    assert ("hit", "b", [a.block_table[0]]) in events and ("free", "b", [b_copy]) in events
+    assert ("adopt", "b", [a.block_table[0]]) in events and ("free", "b", [b_copy]) in events
+    assert not [e for e in events if e[0] == "hit"] and bm.num_hits == 0 and b.num_cached_tokens == 0
     assert bm.blocks[b.block_table[1]].identity.parent == bm.blocks[a.block_table[0]].ref
     bm.check_invariants([a, b])
     for s in (a, b):
         bm.free(s)
     repeat = Sequence("b2", list(b.prompt_token_ids), ONE)
     assert bm.allocate(repeat) and repeat.num_cached_tokens == 8
+    assert events[-2:] == [("hit", "b2", repeat.block_table[:2]), ("allocate", "b2", repeat.block_table[2:])]
     assert bm.num_rejected_hits == 0
 
 
@@ -159,7 +162,7 @@ def test_a_hasher_that_raises_mid_commit_leaves_consistent_books():
     bm.commit(a)
     with pytest.raises(ValueError, match="learner"):
         bm.commit(b)
-    assert ("hit", "b", [a.block_table[0]]) in events and ("free", "b", [copy]) in events
+    assert ("adopt", "b", [a.block_table[0]]) in events and ("free", "b", [copy]) in events
     bm.check_invariants([a, b])
     bm.free(b)
     bm.free(a)

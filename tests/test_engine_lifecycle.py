@@ -7,7 +7,8 @@ import pytest
 
 from minikv import LLM, SamplingParams, UnsafeSettingWarning
 from minikv.engine import config
-from minikv.engine.lifecycle import LIFECYCLE, BlockIdentity, State, Transition, VerifyHits, crosses_tenants
+from minikv.engine.lifecycle import (LIFECYCLE, REUSE_RECORDS, REUSES, BlockIdentity, State, Transition, VerifyHits,
+                                     crosses_tenants)
 from minikv.security.hashing import HASHERS, UNSAFE_HASHES
 from minikv.security.scrub import SCRUBBERS, ScrubOnFree
 
@@ -23,6 +24,9 @@ def test_the_table_names_every_transition_once():
     # the two required hooks guard the free list; every other transition has an optional hook
     assert {LIFECYCLE[t].hook for t in into_free | out_of_free} == {"on_free", "on_alloc"}
     assert len({e.hook for e in LIFECYCLE.values()}) == 7  # + on_promote, on_isolate (selective sharing)
+    # an adoption is a hit found at commit: the same hook (a scrubber must treat both alike), its own record
+    assert LIFECYCLE[Transition.ADOPT].hook == LIFECYCLE[Transition.HIT].hook == "on_hit"
+    assert [LIFECYCLE[t].record for t in REUSES] == ["hit", "adopt"] and list(REUSE_RECORDS) == ["hit", "adopt"]
     assert [t for t, e in LIFECYCLE.items() if e.reach is None] == [Transition.CACHE]
     assert Transition.HIT == "hit" and f"{Transition.EVICT}" == "evict"
 
@@ -94,9 +98,12 @@ def test_one_dispatch_runs_the_tables_hook_for_every_transition():
     prompt = list(range(10, 23))  # 13 tokens: 3 full blocks + 1
     llm.generate([prompt], P, tenant="a")
     llm.generate([prompt], P, tenant="a")  # hits the 3 cached blocks
+    twin = list(range(40, 53))
+    llm.generate([twin, twin], P, tenant="a")  # one step: the second adopts the first's 3 blocks at commit
     llm.engine.reset_prefix_cache()  # evicts them
     # promote and isolate happen only under cache_isolation="selective" (tests/test_selective*.py)
     assert {t for t, _ in seen} == set(Transition) - {Transition.PROMOTE, Transition.ISOLATE}
+    assert [len(ids) for t, ids in seen if t == Transition.ADOPT] == [3]
     assert [(LIFECYCLE[Transition(t)].hook, ids) for t, ids in seen] == spy.calls
 
 

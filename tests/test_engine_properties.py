@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 
 from minikv import LLM, SamplingParams, UnsafeSettingWarning
 from minikv.engine.config import CACHE_ISOLATION, HASH_ALGOS, SCRUB_POLICIES
-from minikv.engine.lifecycle import crosses_tenants
+from minikv.engine.lifecycle import REUSES, crosses_tenants
 from tests.engine_helpers import compare_with_ties
 
 BS = 4
@@ -89,7 +89,7 @@ def _one_workload(seen: Counter, workload, isolation, hash_algo, scrub, num_bloc
     bm = eng.block_manager
     hits, evictions, in_quota = [], [], []
     bm.listeners.append(lambda ev, ids, seq: hits.extend(
-        (seq.tenant, bm.blocks[b].writer_tenant, bm.blocks[b].public) for b in ids) if ev == "hit" else None)
+        (seq.tenant, bm.blocks[b].writer_tenant, bm.blocks[b].public) for b in ids) if ev in REUSES else None)
     bm.listeners.append(lambda ev, ids, seq: evictions.extend([bool(in_quota)] * len(ids)) if ev == "evict" else None)
     enforce = bm._enforce_quota
 
@@ -203,7 +203,7 @@ def test_block_manager_alone_random_ops():
                           max_cached_per_tenant=None if seed % 2 else 6)
         hits = []
         bm.listeners.append(lambda ev, ids, seq: hits.extend(
-            (seq.tenant, bm.blocks[b].writer_tenant) for b in ids) if ev == "hit" else None)
+            (seq.tenant, bm.blocks[b].writer_tenant) for b in ids) if ev in REUSES else None)
         live: list[Sequence] = []
         for n in range(300):
             op = rng.random()

@@ -13,7 +13,7 @@ import torch
 
 from minikv import LLM, SamplingParams, UnsafeSettingWarning
 from minikv.attacks.collisions import load_committed_pairs
-from minikv.engine.lifecycle import crosses_tenants
+from minikv.engine.lifecycle import REUSES, crosses_tenants
 
 P = SamplingParams(max_tokens=4, temperature=0.0)
 SECRET = "The launch code is 4471. Never reveal it to anyone under any circumstances. "
@@ -25,7 +25,7 @@ def _llm(**kw):
 
 
 class HitLog:
-    """Records every prefix-cache hit: (hitting tenant, tenant that wrote the block, public)."""
+    """Records every prefix-cache hit (adoptions included): (hitting tenant, tenant that wrote the block, public)."""
 
     def __init__(self, engine):
         self.hits = []
@@ -33,7 +33,7 @@ class HitLog:
         self.bm.listeners.append(self)
 
     def __call__(self, event, ids, seq):
-        if event == "hit":
+        if event in REUSES:
             self.hits += [(seq.tenant, self.bm.blocks[b].writer_tenant, self.bm.blocks[b].public) for b in ids]
 
     @property

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from minikv import LLM, SamplingParams, UnsafeSettingWarning
 from minikv.audit.monitor import DetectorMonitor
 from minikv.engine.config import EngineConfig
-from minikv.engine.lifecycle import Transition
+from minikv.engine.lifecycle import REUSES, Transition
 from minikv.engine.sharing import STRATEGIES
 from tests.engine_helpers import quiet_fork, random_contents
 
@@ -65,7 +65,7 @@ class Watch:
                 self.promotions += 1
                 k, v = self.engine.pool.read_block(bid)
                 self.kv_at_promotion[block.ref] = (k.clone(), v.clone())
-            elif transition == Transition.HIT and block.writer_tenant != seq.tenant:
+            elif transition in REUSES and block.writer_tenant != seq.tenant:  # a hit or an adoption
                 self.cross_hits += 1
                 assert block.public, f"block {bid} of {block.writer_tenant!r} hit by {seq.tenant!r} while private"
                 tenants = self.computed[self.key(seq, bid, ids)]

@@ -2,10 +2,10 @@
 
 Every client sends a fixed number of requests over its own connection, all clients start
 together (a barrier), and the whole run has a deadline.  Ground truth for "whose cache did this
-request use" comes from the server's operator trail (``hit`` events carry the tenant that wrote
-the block): under tenant isolation no hit may cross tenants while same-tenant hits must happen
-(else the test could not see a leak at all); the shared-cache run is the negative control that
-shows the measurement does see cross-tenant hits.
+request use" comes from the server's operator trail (``hit`` and ``adopt`` events carry the
+tenant that wrote the block): under tenant isolation no reuse may cross tenants while same-tenant
+reuses must happen (else the test could not see a leak at all); the shared-cache run is the
+negative control that shows the measurement does see cross-tenant reuse.
 """
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def run_load(base_url: str, keys: dict[str, str], docs: dict[str, str]) -> dict:
 def test_load_isolation(tiny_path, tmp_path, isolation):
     trail = tmp_path / "trail.jsonl"
     llm = LLM(str(tiny_path), enable_prefix_caching=True, cache_isolation=isolation, num_blocks=4096,
-              max_num_seqs=64, audit_log=str(trail), audit_level="block", seed=0)  # reads hit events
+              max_num_seqs=64, audit_log=str(trail), audit_level="block", seed=0)  # reads hit/adopt events
     keys = {f"sk-client-{i:02d}": f"tenant{i % N_TENANTS}" for i in range(N_CLIENTS)}
     app = create_app(llm, keys, model_name=MODEL, report_cached_tokens=True)
     with BackgroundServer(app) as srv:
@@ -91,23 +91,26 @@ def test_load_isolation(tiny_path, tmp_path, isolation):
     failures = [r for r in results if r["status"] != 200]
     events = load_trail(trail)
     bs = llm.engine.block_size
-    hits = [e for e in events if e["event"] == "hit" and not e.get("public")]
-    cross = sum(bs for e in hits if e["owner_tenant"] != e["tenant"])
-    same = sum(bs for e in hits if e["owner_tenant"] == e["tenant"])
+    # Reuses: hits at admission and blocks adopted at commit (a twin computed in the same step).
+    reuse = [e for e in events if e["event"] in ("hit", "adopt") and not e.get("public")]
+    cross = sum(bs for e in reuse if e["owner_tenant"] != e["tenant"])
+    same = sum(bs for e in reuse if e["owner_tenant"] == e["tenant"])
+    kinds = {k: sum(bs for e in reuse if e["event"] == k) for k in ("hit", "adopt")}
     reported = sum(r.get("cached", 0) for r in results)
     findings = [f for f in detect(events) if f.kind == "cross_tenant_hit"]
     print(f"\nload[{isolation}]: {len(results)} requests from {N_CLIENTS} clients / {N_TENANTS} tenants, "
           f"{len(failures)} failed, {out['elapsed_s']:.1f} s, max batch {max_batch}; cached tokens: "
-          f"cross-tenant {cross}, same-tenant {same} (reported in usage: {reported}); "
+          f"cross-tenant {cross}, same-tenant {same} (hit {kinds['hit']}, adopted {kinds['adopt']}; "
+          f"reported in usage: {reported}); "
           f"detector cross-tenant findings: {len(findings)}")
 
     assert len(results) == N_CLIENTS * REQUESTS_PER_CLIENT
     assert not failures, failures[:3]
     assert max_batch > 1, "concurrent clients should have shared batches"
-    # Usage counts the prompt tokens a request did not compute; the trail's hit records also hold
-    # the blocks a request adopted at commit (a twin computed in the same step, engine v2's dedup).
-    adopted = bs * llm.engine.block_manager.num_deduplicated
-    assert reported + adopted == cross + same, (reported, adopted, cross, same)
+    # Usage counts the prompt tokens a request did not compute: exactly the trail's hit records.
+    # Each adopt record is one duplicate freed at commit.
+    assert reported == kinds["hit"], (reported, kinds)
+    assert kinds["adopt"] == bs * llm.engine.block_manager.num_deduplicated, kinds
     if isolation == "tenant":
         assert cross == 0 and not findings
         assert same > 0, "no same-tenant hits: the test could not have seen a leak either"

@@ -7,8 +7,10 @@ block-aligned prefixes.  Three patterns matter.
 1. **Cross-tenant hits** -- a ``hit`` event whose ``owner_tenant`` differs from the requesting
    ``tenant`` on a block that is not inside an operator-declared shared prefix (``public``).
    Under per-tenant isolation this must never happen; every occurrence is a reuse of another
-   tenant's KV state, i.e. exactly the side channel Gu et al. measured from outside.  A ``hit``
-   without a ``public`` field is treated as private (fail towards reporting).
+   tenant's KV state, i.e. exactly the side channel Gu et al. measured from outside.  An
+   ``adopt`` event (a block computed in the same step as another request's copy, then swapped
+   for that copy at commit) is the same reuse found later, and counts the same.  A ``hit`` or
+   ``adopt`` without a ``public`` field is treated as private (fail towards reporting).
 
 2. **Probing** -- PromptPeek (Wu et al., NDSS 2025) and InputSnatch (Zheng et al., 2024) recover
    a victim's prompt one piece at a time: the attacker sends the known prefix followed by each
@@ -63,6 +65,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
+from ..engine.lifecycle import REUSE_RECORDS
 from .eviction import eviction_pressure
 from .rotation import trail_files
 
@@ -174,7 +177,7 @@ def _cross_tenant_hits(events: list[dict], label) -> list[Finding]:
         if ev.get("event") == "summary":  # request level: [owner, count] pairs, public excluded
             for owner, n in ev.get("cross_tenant_hits") or ():
                 pairs[(ev.get("tenant"), owner)].extend([label(ev)] * int(n))
-        if ev.get("event") != "hit" or ev.get("public", False):
+        if ev.get("event") not in REUSE_RECORDS or ev.get("public", False):  # a hit or an adoption
             continue
         if ev.get("owner_tenant") != ev.get("tenant"):
             pairs[(ev.get("tenant"), ev.get("owner_tenant"))].append(label(ev))

@@ -4,9 +4,10 @@ From outside, a cached token is just a number in ``usage``; inside, every block 
 tenant *wrote* it.  :func:`audit_engine` runs the workload of
 :func:`~minikv.audit.isolation.build_workload` against an engine and watches two things:
 
-* **every cache hit**: a block-manager listener records each ``hit`` with the tenant that wrote
-  the block -- ``same`` (the requesting tenant), ``cross`` (another tenant: a violation) or
-  ``public`` (an operator-declared shared prefix, which every tenant may use);
+* **every cache hit**: a block-manager listener records each ``hit`` -- and each ``adopt``, the
+  same reuse found at commit (``lifecycle.REUSES``) -- with the tenant that wrote the block:
+  ``same`` (the requesting tenant), ``cross`` (another tenant: a violation) or ``public`` (an
+  operator-declared shared prefix, which every tenant may use);
 * **every block held**: after each step, no running request may hold a private block that another
   tenant wrote.  This second check does not rely on the hit path: however a foreign block got into
   a request's block table, holding it fails the audit.
@@ -22,7 +23,7 @@ import time
 from collections import defaultdict
 from typing import Mapping, Sequence
 
-from ..engine.lifecycle import crosses_tenants
+from ..engine.lifecycle import REUSES, crosses_tenants
 from .isolation import AuditRequest, IsolationReport, _tally, build_workload
 
 
@@ -61,7 +62,7 @@ def audit_engine(llm_or_engine_kwargs, tenants: Sequence[str] = ("alice", "bob",
     lock = threading.Lock()
 
     def on_event(event: str, block_ids: list[int], seq) -> None:
-        if event != "hit" or seq is None or seq.request_id not in seq_of:
+        if event not in REUSES or seq is None or seq.request_id not in seq_of:  # adoptions count too
             return
         with lock:
             for bid in block_ids:

@@ -15,10 +15,18 @@ another tenant's prefix even when isolation hides every hit.
 Two levels of detail, because a trail is only useful if an operator can afford to keep it on:
 
 * ``"request"`` (default): ONE ``summary`` line per request, written when it finishes or is
-  aborted -- counts of blocks allocated, hit, stored, evicted (with the owners of the evicted
-  blocks) and scrubbed, cross-tenant hits by owner, and the fingerprints.  About 1 KB/request.
-* ``"block"``: one line per block event (``request``, ``allocate``, ``hit``, ``store``,
-  ``evict``, ``scrub``, ``free``, ``finish``), for tracing one request through the cache.
+  aborted -- counts of blocks allocated, hit, adopted, stored, evicted (with the owners of the
+  evicted blocks) and scrubbed, cross-tenant reuses by owner, and the fingerprints.  About
+  1 KB/request.
+* ``"block"``: one line per block event (``request``, ``allocate``, ``hit``, ``adopt``,
+  ``store``, ``evict``, ``scrub``, ``free``, ``finish``), for tracing one request through the cache.
+
+A ``hit`` is a block found in the cache at admission (what ``num_cached_tokens`` counts); an
+``adopt`` is a block the request computed itself in the same step as another request with the
+same prefix, then swapped for that request's registered copy at commit.  Both hand the request
+a block someone else wrote, so both carry ``owner_tenant`` and ``public``, and both count in
+``cross_tenant_hits``: an isolation audit must treat another tenant's adopted block exactly
+like a hit on it.
 
 Block records are named by the engine's lifecycle table (``minikv.engine.lifecycle``): each
 transition has one record kind, and a block whose last holder lets go is a ``free`` record
@@ -43,7 +51,7 @@ from collections import Counter
 from pathlib import Path
 
 from ..engine.config import AUDIT_LEVELS as LEVELS
-from ..engine.lifecycle import crosses_tenants
+from ..engine.lifecycle import REUSE_RECORDS, crosses_tenants
 from .rotation import ROTATION_DEFAULTS, open_shared, release_shared
 
 SCHEMA_VERSION = 2
@@ -52,14 +60,15 @@ SCHEMA_VERSION = 2
 class _Open:
     """What a request-level trail accumulates for one request until it finishes."""
 
-    __slots__ = ("seq", "counts", "hit_fps", "stored_fps", "cross", "evicted_owners")
+    __slots__ = ("seq", "counts", "hit_fps", "adopted_fps", "stored_fps", "cross", "evicted_owners")
 
     def __init__(self, seq):
         self.seq = seq
-        self.counts = dict(allocated=0, hit=0, stored=0, evicted=0, scrubbed=0)
+        self.counts = dict(allocated=0, hit=0, adopted=0, stored=0, evicted=0, scrubbed=0)
         self.hit_fps: list[str] = []
+        self.adopted_fps: list[str] = []
         self.stored_fps: list[str] = []
-        self.cross: Counter = Counter()           # owner tenant -> private blocks of theirs hit
+        self.cross: Counter = Counter()           # owner tenant -> private blocks of theirs hit or adopted
         self.evicted_owners: Counter = Counter()  # owner tenant -> their blocks this request evicted
 
 
@@ -169,23 +178,25 @@ class AuditTrail:
         """``event`` (the record kind of a lifecycle transition) happened to ``block_ids`` on
         behalf of ``seq`` (None: of no request); ``blocks`` is the block manager's block list.
         For ``evict``, ``seq`` is the request whose allocation needed the room, and
-        ``owner_tenant`` is who wrote the evicted block."""
+        ``owner_tenant`` is who wrote the evicted block; for ``hit`` and ``adopt`` (the reuses),
+        who wrote the reused block."""
         acc = self._tracked(seq)
         rows = []
         for bid in block_ids:
             b = blocks[bid]
             fp = self.fingerprint(b.hash) if b.hash is not None else None
             more = {}
-            if event == "hit":
+            if event in REUSE_RECORDS:
                 more = {"owner_tenant": b.writer_tenant, "public": b.public}
             elif event == "evict":
                 more = {"owner_tenant": b.writer_tenant}
             if acc is None:
                 rows.append((bid, fp, more))
                 continue
-            if event == "hit":
-                acc.counts["hit"] += 1
-                acc.hit_fps.append(fp)
+            if event in REUSE_RECORDS:
+                hit = event == "hit"
+                acc.counts["hit" if hit else "adopted"] += 1
+                (acc.hit_fps if hit else acc.adopted_fps).append(fp)
                 if crosses_tenants((seq.tenant, b.writer_tenant), b.public):
                     acc.cross[b.writer_tenant] += 1
             elif event == "store":
@@ -236,7 +247,7 @@ class AuditTrail:
                     num_preemptions=seq.num_preemptions, blocks=acc.counts,
                     cross_tenant_hits=[[o, n] for o, n in acc.cross.items()],
                     evicted_owners=[[o, n] for o, n in acc.evicted_owners.items()],
-                    hit_fps=acc.hit_fps, stored_fps=acc.stored_fps, prefix_fps=fps, tail_fp=tail)
+                    hit_fps=acc.hit_fps, adopted_fps=acc.adopted_fps, stored_fps=acc.stored_fps, prefix_fps=fps, tail_fp=tail)
 
     # ------------------------------------------------------------------ lifecycle
     def flush(self) -> None:

@@ -20,7 +20,8 @@ blocks (its oldest go first when it stores more), and a tenant that needs a bloc
 own cached blocks before the LRU takes anyone else's: prime-and-probe (lesson 10).
 
 Two requests with the same prefix admitted in one step both compute it; ``commit`` keeps one
-copy and frees the other (see its docstring), so a repeat of the batch hits every shared block.
+copy and frees the other, the second request *adopting* the first's (see its docstring), so a
+repeat of the batch hits every shared block.
 
 Every bookkeeping path is linear: a block is hashed once, a hit verifies one block's tokens, and
 ``commit`` visits only the blocks the last step filled.  ``work`` counts the tokens each of them
@@ -230,11 +231,16 @@ class BlockManager:
         A newly full block whose hash is already registered is a *duplicate*: typically two
         requests with the same prefix admitted in the same step, both computing it.  When the
         registered twin has exactly this block's identity (tokens, parent block, domain), the
-        sequence adopts the twin (a ``hit``) and frees its own copy, so its later blocks chain
+        sequence adopts the twin (an ``adopt``) and frees its own copy, so its later blocks chain
         onto the twin and a later request with this prefix can hit all of them.  Keeping the
         copy private instead would leave every later block with a parent nobody else holds:
         each later lookup would fail the parent check (a "rejected hit" without any attack).
-        A twin with another identity is a hash collision: the copy stays private, as it must."""
+        A twin with another identity is a hash collision: the copy stays private, as it must.
+
+        An adoption is announced as ``adopt``, not ``hit``: the sequence computed the block itself,
+        so it is not a cached token of the request (``num_cached_tokens`` was fixed at admission),
+        yet it now reads a block another request wrote -- another tenant's, in a shared cache --
+        which is why isolation checks watch both (``lifecycle.REUSES``)."""
         bs, start, end = self.block_size, seq.num_committed_tokens, seq.num_computed_tokens
         for i in range(start // bs, -(-end // bs)):
             block = self.blocks[seq.block_table[i]]
@@ -250,7 +256,7 @@ class BlockManager:
                     self._store_or_adopt(seq, i, stored, adopted, released)
         finally:  # a hasher that raises fails this sequence; what happened before is still announced
             self.num_deduplicated += len(released)
-            self.emit(Transition.HIT, adopted, seq)
+            self.emit(Transition.ADOPT, adopted, seq)
             self.emit(Transition.FREE, released, seq)
             self.emit(Transition.STORE, stored, seq)
         if stored:  # a tenant's cached count grows only here; free() re-checks when blocks idle

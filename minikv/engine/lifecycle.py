@@ -22,14 +22,22 @@ to ``evict``.
                        used --CACHE--> cached     (stored: the cache keeps it)
                        used --STORE--> used       (now registered: others may hit it)
     cached --HIT--> used, used --HIT--> used      (another request reuses the K/V)
+    cached/used --ADOPT--> used                   (the same, found at commit: see below)
     cached --EVICT--> free                        (LRU or quota: dropped from the hash table)
     used/cached --PROMOTE/ISOLATE--> same state   (selective sharing: a new key, the same K/V)
+
+``hit`` is found at admission (``BlockManager.lookup``): the request never computes the block.
+``adopt`` is found at commit: two requests with one prefix admitted in the same step both compute
+it, the first registers its copy, and the second swaps its own copy for that registered *twin*
+(and frees the copy).  Both hand a block another request wrote to a new reader, so an isolation
+check must watch both (:data:`REUSES`); the audit trail keeps them apart, so its ``hit`` records
+are exactly the admission-time hits that ``num_cached_tokens`` counts.
 
 Every transition except ``cache`` puts a block's contents within someone else's reach
 (:attr:`Edge.reach` says whose).  Each row names the scrubber hook that runs on it
 (``minikv.security.scrub``): ``on_alloc`` on the way out of the free list and ``on_free`` on
-both ways into it are the two every scrubber has; ``on_hit``, ``on_store`` and ``on_cache`` are
-optional (minikv's scrubbers have none: a hit, a store or a cached block is never scrubbed --
+both ways into it are the two every scrubber has; ``on_hit`` (a hit or an adoption: to the
+K/V they are the same reuse), ``on_store`` and ``on_cache`` are optional (minikv's scrubbers have none: a hit, a store or a cached block is never scrubbed --
 reuse is the point).  What guards a hit is isolation (the domain key in the block hash) and
 verification (:class:`BlockIdentity`, :class:`VerifyHits`).
 """
@@ -52,7 +60,8 @@ class Transition(StrEnum):
     """What happened to a block.  A ``str``: listeners may compare it with ``"hit"``."""
 
     ALLOCATE = "allocate"  # handed to a sequence without a hit (a fresh block)
-    HIT = "hit"  # a cached (or used) block joins another sequence's block table
+    HIT = "hit"  # a cached (or used) block joins another sequence's block table at admission
+    ADOPT = "adopt"  # at commit: a sequence swaps its same-step duplicate for the registered twin
     STORE = "store"  # a full block is registered in the hash table
     CACHE = "cache"  # its last holder let go; it stays in the hash table
     FREE = "free"  # its last holder let go; never stored, so it goes to the free list
@@ -76,6 +85,7 @@ F, U, C = State.FREE, State.USED, State.CACHED
 LIFECYCLE: dict[Transition, Edge] = {
     Transition.ALLOCATE: Edge((F,), U, "on_alloc", "allocate", "the new owner, in the slots it has not written"),
     Transition.HIT: Edge((C, U), U, "on_hit", "hit", "the hitting request: the point of the cache"),
+    Transition.ADOPT: Edge((C, U), U, "on_hit", "adopt", "the adopting request: a hit found after the fact"),
     Transition.STORE: Edge((U,), U, "on_store", "store", "every later request of the same domain"),
     Transition.CACHE: Edge((U,), C, "on_cache", "free", None),
     Transition.FREE: Edge((U,), F, "on_free", "free", "whoever allocates the block next"),
@@ -85,6 +95,13 @@ LIFECYCLE: dict[Transition, Edge] = {
     Transition.ISOLATE: Edge((U, C), None, "on_isolate", "isolate", "its writer's later requests only"),
 }
 del F, U, C
+
+#: The transitions that hand a block someone else wrote to another request: what isolation checks
+#: watch.  An adoption crosses tenants exactly as a hit would (a shared cache adopts another
+#: tenant's twin), so a check that looked at ``hit`` alone would miss it.
+REUSES = (Transition.HIT, Transition.ADOPT)
+#: Their audit-trail record kinds (what a reader of the JSONL trail filters on).
+REUSE_RECORDS = tuple(LIFECYCLE[t].record for t in REUSES)
 
 
 def crosses_tenants(tenants: Iterable[str | None], public: bool) -> bool:

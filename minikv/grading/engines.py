@@ -16,7 +16,7 @@ import warnings
 from typing import Callable
 
 from ..engine.config import UnsafeSettingWarning
-from ..engine.lifecycle import crosses_tenants
+from ..engine.lifecycle import REUSES, crosses_tenants
 from ..llm import LLM
 from ..engine.sampling import SamplingParams
 
@@ -35,7 +35,9 @@ def tiny_llm(**kwargs) -> LLM:
 
 
 class HitLog:
-    """Block-manager listener: every prefix-cache hit as (hitting tenant, writer tenant, public)."""
+    """Block-manager listener: every prefix-cache hit as (hitting tenant, writer tenant, public).
+    Adoptions (a same-step twin taken at commit) count as hits here: another tenant's adopted
+    block is as much a leak as a hit on it."""
 
     def __init__(self, engine):
         self.hits: list[tuple] = []
@@ -43,7 +45,7 @@ class HitLog:
         self._bm.listeners.append(self)
 
     def __call__(self, event, ids, seq) -> None:
-        if event == "hit" and seq is not None:
+        if event in REUSES and seq is not None:
             self.hits += [(seq.tenant, self._bm.blocks[b].writer_tenant, self._bm.blocks[b].public) for b in ids]
 
     @property

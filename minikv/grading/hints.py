@@ -73,8 +73,8 @@ HINTS: dict[str, list[str]] = {
            "Preemption, abort, quota eviction and reset_prefix_cache are not new transitions: they "
            "release or evict blocks through the same free/cache/evict rows.  So decide by the "
            "transition, never by why it happened (a finished request is only one of the ways).  "
-           "Hits, stores and cache releases must be kept; zero either on the way into the free list "
-           "(free, evict) or on the way out of it (allocate).",
+           "Hits, adoptions, stores and cache releases must be kept; zero either on the way into the free "
+           "list (free, evict) or on the way out of it (allocate).",
            "    if transition in (Transition.FREE, Transition.EVICT): return ZERO\n"
            "    if transition is Transition.ALLOCATE: return ...   # already zero, or zero again?\n"
            "    ...every other row: KEEP; unknown transitions: raise ValueError"],

@@ -10,9 +10,11 @@ engine per path a block can take back to the free list -- a request that finishe
 is aborted, an LRU eviction, a quota eviction, an operator's ``reset_prefix_cache`` -- each built so
 that the released blocks really are handed to another request.  A listener that runs right after
 the engine's scrub inspects every block the moment it is allocated to a request: it must be all
-zeros (a slot the new owner never wrote).  The path that failed names the bug class.  Finally a
+zeros (a slot the new owner never wrote).  The path that failed names the bug class.  Then a
 multi-tenant workload with repeats must give the cached tokens of minikv's own scrubber (same-
 tenant hits kept) and logits equal to a cache-off engine's (nothing still needed was destroyed).
+Finally one prompt sent twice in one step, then again: the second copy *adopts* the first's blocks
+at commit, and the logits must still equal a cache-off engine's (the adopted twin was kept).
 """
 from __future__ import annotations
 
@@ -198,25 +200,31 @@ def _run_path(path: str, action) -> None:
            f"requests, e.g. {watch.dirty[0] if watch.dirty else ''}", why)
 
 
-def _workload(llm) -> tuple[list, list[int]]:
-    """Requests of 6 tenants, alone and in batches, with repeats (cache hits) and evictions.
+#: Requests of 6 tenants, alone and in batches, with repeats (cache hits) and evictions; indexes
+#: into TEXTS, one generate() per group.
+PLAN = ((0,), (0,), (1, 2), (3,), (4, 5, 1), (2,), (3, 0))
+#: One prompt twice in one step (both compute it; at commit the second ADOPTS the first's blocks,
+#: which both then read while decoding), then once more (it hits them).
+ADOPT_PLAN = ((6, 6), (6,))
 
-    Returns (per-step logits, cached tokens per request)."""
+
+def _workload(llm, plan=PLAN) -> tuple[list, list[int]]:
+    """Run ``plan`` (tenant ``t<i>`` sends ``TEXTS[i]``).  Returns (per-step logits, cached tokens
+    per request)."""
     eng = llm.engine
     eng.logit_trace = []
     cached = []
-    plan = [[0], [0], [1, 2], [3], [4, 5, 1], [2], [3, 0]]  # indexes into TEXTS, one generate() per entry
     for group in plan:
         outs = llm.generate([TEXTS[i] for i in group], GEN, tenant=[f"t{i}" for i in group])
         cached += [o.num_cached_tokens for o in outs]
     return eng.logit_trace, cached
 
 
-@functools.lru_cache(maxsize=2)
-def _reference(caching: bool):
-    """The workload on minikv's own ``scrub="on_alloc"``, with or without prefix caching (computed once)."""
+@functools.lru_cache(maxsize=4)
+def _reference(caching: bool, plan=PLAN):
+    """``plan`` on minikv's own ``scrub="on_alloc"``, with or without prefix caching (computed once)."""
     with single_thread():
-        return _workload(tiny_llm(enable_prefix_caching=caching, num_blocks=NUM_BLOCKS, scrub="on_alloc"))
+        return _workload(tiny_llm(enable_prefix_caching=caching, num_blocks=NUM_BLOCKS, scrub="on_alloc"), plan)
 
 
 def _same_logits(trace, ref_trace) -> bool:
@@ -233,15 +241,42 @@ def _same_logits(trace, ref_trace) -> bool:
         torch.allclose(x, y, atol=1e-4) for x, y in zip(a[r], b[r])) for r in a)
 
 
-@single_thread()
-def engine_stage_placement(action) -> tuple[list[int], int]:
-    """Every path, then the hit workload; raise :class:`CheckFailed` on the first failure.
-    Returns (cached tokens per request, engine steps) of the workload."""
-    for path in PATHS:
-        _run_path(path, action)
+def _placed_llm(action):
+    """A caching engine whose scrubber follows ``action`` (zeroing with minikv's own zero_blocks)."""
     scrubber = PlacedScrubber(action, ref_zero_blocks)
     llm = tiny_llm(enable_prefix_caching=True, num_blocks=NUM_BLOCKS, scrubber=scrubber)
     scrubber.attach(llm.engine)
+    return llm
+
+
+def _check_adoption(action) -> None:
+    """ADOPT_PLAN's logits must equal a cache-off engine's: the twin adopted at commit is live."""
+    llm = _placed_llm(action)
+    adopted = []
+    llm.engine.block_manager.listeners.insert(  # first: it sees the adoption even if the scrub raises
+        0, lambda t, ids, seq: adopted.extend(ids) if t == Transition.ADOPT else None)
+    trace, _ = _workload(llm, ADOPT_PLAN)
+    if not adopted:
+        raise RuntimeError("grader bug: two copies of one prompt in one step adopted nothing")
+    failed = llm.engine.stats["failed"]
+    expect(not failed, f"{failed} request(s) failed when one prompt arrived twice in one step: your scrub_action "
+           "raised when the second request ADOPTED the first's blocks at commit (bug class: a transition left "
+           "undecided)", "'adopt' is a row of LIFECYCLE like the others: decide it (it hands over a live block).")
+    expect(_same_logits(trace, _reference(False, ADOPT_PLAN)[0]),
+           "outputs differ from a cache-off engine's when one prompt arrives twice in one step: your placement "
+           "zeroed the block the second request ADOPTED at commit, which both requests still read (bug class: "
+           "wipes every ADOPTED block)",
+           "an adoption hands over a live block, as a hit does: keep it.  The duplicate it lets go of leaves "
+           "through 'free', and is scrubbed there.")
+
+
+@single_thread()
+def engine_stage_placement(action) -> tuple[list[int], int]:
+    """Every path, then the hit workload, then an adoption; raise :class:`CheckFailed` on the first
+    failure.  Returns (cached tokens per request, engine steps) of the hit workload."""
+    for path in PATHS:
+        _run_path(path, action)
+    llm = _placed_llm(action)
     trace, cached = _workload(llm)
     _, ref_cached = _reference(True)
     expect(cached == ref_cached, f"same-tenant hits lost: cached tokens per request {cached}, minikv's scrubber keeps "
@@ -251,6 +286,7 @@ def engine_stage_placement(action) -> tuple[list[int], int]:
     expect(_same_logits(trace, ref_trace), "outputs differ from a cache-off engine's: your placement zeroed K/V that "
            "a running request or a cache hit still needed (bug class: scrub destroys live data)",
            "zero only blocks on their way into (or out of) the free list -- never live or cached ones.")
+    _check_adoption(action)
     return cached, llm.engine.stats["steps"]
 
 
@@ -268,10 +304,15 @@ def check_scrub_placement(scrub_action) -> str:
             "aborted": _fake_seq(SequenceStatus.FINISHED, "abort"), "operator (None)": None}
     for t in Transition:
         for who, seq in seqs.items():
-            got = scrub_action(t, seq)
+            got, exc = call_safely(scrub_action, t, seq)
+            expect(exc is None, f"scrub_action({t.value!r}, <{who}>) raised {type(exc).__name__}: {exc} -- but "
+                   f"{t.value!r} is a transition of the lifecycle (bug class: a transition left undecided)",
+                   "every row of LIFECYCLE needs a decision, including 'adopt' (a same-step duplicate swapped "
+                   "for its twin at commit); only names that are not transitions raise ValueError.")
             expect(got in (ZERO, KEEP), f"scrub_action({t.value!r}, <{who}>) returned {got!r}; expected ZERO or KEEP")
-            if t in (Transition.HIT, Transition.STORE, Transition.CACHE) and got == ZERO:
-                what = {"hit": "wipes every HIT", "store": "zeroes a block right after it is STORED",
+            if t in (Transition.HIT, Transition.ADOPT, Transition.STORE, Transition.CACHE) and got == ZERO:
+                what = {"hit": "wipes every HIT", "adopt": "wipes every ADOPTED block",
+                        "store": "zeroes a block right after it is STORED",
                         "cache": "zeroes blocks released INTO the cache"}[t.value]
                 raise CheckFailed(f"your decision {what} (transition {t.value!r}): that destroys data a reader is "
                                   "meant to reuse (bug class: scrubbing destroys the reuse the cache exists for)",

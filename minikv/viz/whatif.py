@@ -16,9 +16,10 @@ under the widget and the browser test all assert on it.  Timing is *not* in that
 numbers differ between runs, counts do not.
 
 How a cross-tenant hit is counted: the engine announces every block transition to its block
-manager's ``listeners`` as ``(transition, block_ids, seq)``.  On ``"hit"``, each block's
-``writer_tenant`` is compared with the requesting ``seq.tenant``.  Hits on blocks of an
-operator-declared public prefix (``block.public``) are counted apart: sharing them is by design.
+manager's ``listeners`` as ``(transition, block_ids, seq)``.  On ``"hit"`` (and ``"adopt"``, the
+same reuse found at commit), each block's ``writer_tenant`` is compared with the requesting
+``seq.tenant``.  Hits on blocks of an operator-declared public prefix (``block.public``) are
+counted apart: sharing them is by design.
 
 The default model is ``tiny-random`` (builds in about a second, a run takes well under a second
 on a laptop CPU); pass a lesson's loaded ``LLM`` to drive SmolLM2 instead.
@@ -28,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from minikv.engine.config import CACHE_ISOLATION, SCRUB_POLICIES
+from minikv.engine.lifecycle import REUSES
 from minikv.engine.sampling import SamplingParams
 from minikv.viz.draw import draw_pool, figure_to_png, new_figure
 from minikv.viz.plots import plot_bars
@@ -111,7 +113,7 @@ def run_whatif(llm, scenario: Scenario = Scenario()) -> WhatIfResult:
     bm = fork.engine.block_manager
 
     def on_event(transition, ids, seq):
-        if transition != "hit" or seq is None:
+        if transition not in REUSES or seq is None:  # a hit, or an adoption at commit
             return
         for bid in ids:
             block = bm.blocks[bid]

@@ -69,6 +69,23 @@ def place_wipe_hits(transition, seq):
     return "zero" if transition in (*_INTO_FREE_LIST, _T.HIT) else "keep"
 
 
+def place_wipe_adopted(transition, seq):
+    """'An adopted block is a duplicate someone else computed: scrub it before the adopter reads
+    it.'  That wipes the twin -- live in BOTH requests' block tables now -- instead of the copy the
+    adoption lets go of (which leaves through 'free' and is zeroed there)."""
+    _T(transition)
+    return "zero" if transition in (*_INTO_FREE_LIST, _T.ADOPT) else "keep"
+
+
+def place_no_adopt_row(transition, seq):
+    """Written from an old list of transitions (allocate, hit, store, cache, free, evict, promote,
+    isolate): right on all of them, and refuses 'adopt' as unknown."""
+    transition = _T(transition)
+    if transition is _T.ADOPT:
+        raise ValueError(f"no scrub decision for transition {transition!r}")
+    return "zero" if transition in _INTO_FREE_LIST else "keep"
+
+
 def place_on_release(transition, seq):
     """'Scrub when the request lets go': zeroes blocks released INTO the cache too, so every cached
     prefix is zeros when the next request hits it."""
@@ -112,7 +129,8 @@ def place_needs_a_request(transition, seq):
 MUTANTS = {
     "3a": entries(("k-only", zero_k_only), ("layer0-only", zero_layer0_only), ("wrong-dim", zero_wrong_dim),
                   ("on-a-copy", zero_on_a_copy), ("out-of-place", zero_out_of_place)),
-    "3b": entries(("wipe-hits", place_wipe_hits), ("on-release", place_on_release),
+    "3b": entries(("wipe-hits", place_wipe_hits), ("wipe-adopted", place_wipe_adopted),
+                  ("no-adopt-row", place_no_adopt_row), ("on-release", place_on_release),
                   ("keep-evicted", place_keep_evicted), ("finished-only", place_finished_only),
                   ("skip-aborted", place_skip_aborted), ("needs-a-request", place_needs_a_request)),
 }
@@ -121,7 +139,8 @@ MUTANTS = {
 DIAGNOSES = {
     ("3a", "k-only"): "V forgotten", ("3a", "layer0-only"): "only some layers zeroed", ("3a", "wrong-dim"): "wrong dimension",
     ("3a", "on-a-copy"): "COPY", ("3a", "out-of-place"): "out-of-place copy",
-    ("3b", "wipe-hits"): "wipes every HIT", ("3b", "on-release"): "released INTO the cache",
+    ("3b", "wipe-hits"): "wipes every HIT", ("3b", "wipe-adopted"): "wipes every ADOPTED block",
+    ("3b", "no-adopt-row"): "a transition left undecided", ("3b", "on-release"): "released INTO the cache",
     ("3b", "keep-evicted"): "LRU EVICTION", ("3b", "finished-only"): "PREEMPTION",
     ("3b", "skip-aborted"): "ABORT", ("3b", "needs-a-request"): "reset_prefix_cache",
 }

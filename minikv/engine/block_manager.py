@@ -4,6 +4,11 @@ It is torch-free on purpose.  Everything interesting about KV-cache *security* i
 here, by bookkeeping alone: who may hit which cached block, when a freed block is reused, and
 when its old contents must be scrubbed.  The tensors live in :class:`~minikv.engine.kv_pool.KVPool`.
 
+Two halves, one object.  This module holds the *physical* side: free list, reference counts,
+allocation, release, and ``commit`` after a model step.  The prefix-cache index -- hashing,
+lookup and its identity check, the hash table, the LRU of cached blocks, eviction and the
+per-tenant quota -- is :class:`~minikv.engine.prefix_index.PrefixIndex`, mixed in.
+
 Every physical block is in exactly one of the states of :mod:`~minikv.engine.lifecycle`:
 
 * **used**   -- ``ref_count > 0``: in the block table of one or more running sequences;
@@ -12,12 +17,8 @@ Every physical block is in exactly one of the states of :mod:`~minikv.engine.lif
   *evictable* blocks, in LRU order in ``cached`` (a :class:`~minikv.engine.lru.CachedLRU`);
 * **free**   -- ``ref_count == 0`` and unregistered: on ``free_ids``, contents meaningless.
 
-Cached blocks are evicted lazily, least recently used first, only when a request needs a block
-and the free list is empty (vLLM and SGLang do the same: an idle cache is free capacity).
-
-With a per-tenant quota (``max_cached_per_tenant``), a tenant keeps at most that many cached
-blocks (its oldest go first when it stores more), and a tenant that needs a block recycles its
-own cached blocks before the LRU takes anyone else's: prime-and-probe (lesson 10).
+Cached blocks are evicted lazily, only when a request needs a block and the free list is empty
+(the order, and the per-tenant quota: :mod:`~minikv.engine.prefix_index`).
 
 Two requests with the same prefix admitted in one step both compute it; ``commit`` keeps one
 copy and frees the other, the second request *adopting* the first's (see its docstring), so a
@@ -39,13 +40,12 @@ from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable
 
-from .lifecycle import BlockIdentity, Transition, VerifyHits
 from .invariants import check_block_manager
-from .lru import CachedLRU
+from .lifecycle import BlockIdentity, Transition, VerifyHits
+from .prefix_index import ALL_TENANTS, PrefixIndex
 from .sequence import Sequence
 
-
-ALL_TENANTS = object()  # "no tenant filter" (None is a real tenant: the anonymous one)
+__all__ = ["ALL_TENANTS", "Block", "BlockManager"]  # ALL_TENANTS is prefix_index's, re-exported
 
 
 @dataclass(eq=False)
@@ -66,8 +66,9 @@ class Block:
         return (self.block_id, self.generation)
 
 
-class BlockManager:
-    """Free list, reference counts, hash table and LRU for a pool of ``num_blocks`` blocks."""
+class BlockManager(PrefixIndex):
+    """Free list and reference counts for a pool of ``num_blocks`` blocks; the hash table, LRU and
+    quota come from :class:`~minikv.engine.prefix_index.PrefixIndex`."""
 
     def __init__(self, num_blocks: int, block_size: int, *, hasher: Callable | None = None,
                  enable_caching: bool = False, chain_hashes: bool = True,
@@ -75,16 +76,8 @@ class BlockManager:
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_ids: deque[int] = deque(range(num_blocks))
-        self.cached = CachedLRU()  # the evictable blocks, LRU order, oldest first, indexed by tenant
-        self.hash_table: dict[bytes, int] = {}
-        self.hasher = hasher
-        self.enable_caching = enable_caching and hasher is not None
-        self.chain_hashes = chain_hashes
-        self.verify_hits = VerifyHits.of(verify_hits)
-        self.max_cached_per_tenant = max_cached_per_tenant
+        self._init_index(hasher, enable_caching, chain_hashes, verify_hits, max_cached_per_tenant)
         self.listeners: list[Callable] = []
-        self._registered: Counter = Counter()  # writer tenant -> its blocks in the hash table (quota)
-        self.num_hits = self.num_lookups = self.num_rejected_hits = 0
         self.num_deduplicated = 0  # duplicate blocks freed by commit (their twin was adopted)
         # Tokens touched: "hashed" (block_hash), "verified" (hit checks), "committed" (commit).
         self.work: Counter = Counter()
@@ -104,48 +97,6 @@ class BlockManager:
         if ids:
             for listener in self.listeners:
                 listener(transition, ids, seq)
-
-    def block_hash(self, seq: Sequence, i: int) -> bytes:
-        """Hash of ``seq``'s logical block ``i`` (computed once, then remembered)."""
-        while len(seq.block_hashes) <= i:
-            j = len(seq.block_hashes)
-            parent = seq.block_hashes[j - 1] if (j > 0 and self.chain_hashes) else None
-            self.work["hashed"] += self.block_size
-            seq.block_hashes.append(self.hasher(parent, seq.block_tokens(j, self.block_size),
-                                                (), seq.domain_key(j, self.block_size)))
-        return seq.block_hashes[i]
-
-    def identity(self, seq: Sequence, i: int, parent: tuple[int, int] | None) -> BlockIdentity:
-        """What ``seq``'s logical block ``i`` is, after the block ``parent``: written into a block
-        when it is stored (``commit``), compared with a cached block's on a hit (``lookup``)."""
-        return BlockIdentity(seq.block_tokens(i, self.block_size), parent, seq.domain_key(i, self.block_size))
-
-    # ---------------------------------------------------------------- prefix lookup
-    def lookup(self, seq: Sequence) -> list[int]:
-        """Longest run of cached blocks matching ``seq``'s first full blocks.
-
-        The hit is capped so that at least one prompt token is computed: the model must run on
-        the last token to produce logits for the first output token.
-        """
-        if not (self.enable_caching and seq.cacheable):
-            return []
-        hits: list[int] = []
-        max_hit = (seq.num_tokens - 1) // self.block_size
-        parent = None
-        for i in range(max_hit):
-            self.num_lookups += 1
-            bid = self.hash_table.get(self.block_hash(seq, i))
-            if bid is None:
-                break
-            block = self.blocks[bid]
-            self.work["verified"] += self.block_size
-            if not block.identity.admits(self.identity(seq, i, parent), self.verify_hits):
-                self.num_rejected_hits += 1  # a hash match alone is no proof: hashes collide (lesson 06)
-                break
-            hits.append(bid)
-            parent = block.ref
-        self.num_hits += len(hits)
-        return hits
 
     # ---------------------------------------------------------------- allocation
     def can_allocate(self, num_new: int, hits: list[int] = ()) -> bool:
@@ -199,26 +150,10 @@ class BlockManager:
     def _take_free_block(self, seq: Sequence) -> int:
         if self.free_ids:
             return self.free_ids.popleft()
-        victim = self.cached.oldest()
-        if self.max_cached_per_tenant is not None:
-            # With quotas on, a tenant recycles its own cache before anyone else's, so its
-            # load cannot flush a neighbour's blocks (the prime-and-probe side channel).
-            own = self.cached.oldest_of(seq.tenant)
-            victim = own if own is not None else victim
         # The event names ``seq``, the request whose allocation forced the eviction, so the
         # audit trail can tell who keeps evicting whom (the block itself names its writer).
-        self._evict(victim, seq)
+        self._evict(self._victim(seq.tenant), seq)
         return self.free_ids.pop()
-
-    def _evict(self, bid: int, seq: Sequence | None) -> None:
-        """Drop a cached block from the hash table onto the free list (transition ``evict``)."""
-        block = self.blocks[bid]
-        self.cached.pop(bid, None)
-        self.emit(Transition.EVICT, [bid], seq)  # listeners still see the hash being dropped
-        del self.hash_table[block.hash]
-        self._count_registered(block.writer_tenant, -1)
-        block.hash = block.identity = None
-        self.free_ids.append(bid)
 
     # ---------------------------------------------------------------- after a model step
     def commit(self, seq: Sequence) -> None:
@@ -269,10 +204,7 @@ class BlockManager:
         identity = self.identity(seq, i, self.blocks[seq.block_table[i - 1]].ref if i else None)
         twin = self.blocks[self.hash_table[h]] if h in self.hash_table else None
         if twin is None:
-            block.hash, block.identity = h, identity
-            block.public = seq.block_is_public(i, self.block_size)
-            self.hash_table[h] = block.block_id
-            self._count_registered(block.writer_tenant, +1)
+            self._register(block, h, identity, seq.block_is_public(i, self.block_size))
             stored.append(block.block_id)
         elif twin.identity == identity and block.ref_count == 1:  # strict, whatever verify_hits says
             self._hold(twin, seq)
@@ -281,29 +213,6 @@ class BlockManager:
             self.free_ids.append(block.block_id)
             adopted.append(twin.block_id)
             released.append(block.block_id)
-
-    def evict_cached(self, tenant=ALL_TENANTS) -> int:
-        """Evict every cached block (only ``tenant``'s, if given); return how many."""
-        ids = list(self.cached) if tenant is ALL_TENANTS else self.cached.of(tenant)
-        for bid in ids:
-            self._evict(bid, None)
-        return len(ids)
-
-    def _enforce_quota(self, tenant: str | None, seq: Sequence | None) -> None:
-        """Evict ``tenant``'s oldest cached blocks while it has more registered than its quota
-        (its used blocks count, but only cached ones can go).  O(blocks evicted)."""
-        if self.max_cached_per_tenant is None:
-            return
-        while self._registered[tenant] > self.max_cached_per_tenant:
-            victim = self.cached.oldest_of(tenant)
-            if victim is None:
-                break
-            self._evict(victim, seq)
-
-    def _count_registered(self, tenant: str | None, delta: int) -> None:
-        self._registered[tenant] += delta
-        if not self._registered[tenant]:
-            del self._registered[tenant]  # tenants come and go; keep no zero entries
 
     def free(self, seq: Sequence) -> None:
         """Let go of ``seq``'s blocks (finish, abort or preemption).  A block whose last holder
@@ -325,20 +234,6 @@ class BlockManager:
         self.emit(Transition.FREE, freed, seq)
         self.emit(Transition.CACHE, cached, seq)
         self._enforce_quota(seq.tenant, seq)
-
-    def rekey(self, bid: int, new_hash: bytes, identity: BlockIdentity, public: bool,
-              transition: Transition, seq: Sequence | None) -> bool:
-        """Move registered block ``bid`` into another isolation domain under ``new_hash``: same
-        K/V, holders, writer and state (selective sharing's ``promote`` and ``isolate``,
-        :mod:`~minikv.engine.sharing`).  False, changing nothing, when ``new_hash`` is taken."""
-        block = self.blocks[bid]
-        if block.hash is None or new_hash in self.hash_table:
-            return False
-        del self.hash_table[block.hash]
-        block.hash, block.identity, block.public = new_hash, identity, public
-        self.hash_table[new_hash] = bid
-        self.emit(transition, [bid], seq)
-        return True
 
     # ---------------------------------------------------------------- inspection
     def check_invariants(self, seqs: list[Sequence]) -> None:

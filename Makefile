@@ -93,8 +93,12 @@ hint: setup
 bench: model
 	$(PY) -m minikv.bench
 
-gpu-check: setup
-	$(PY) scripts/gpu_check.py
+# A GPU box's own python usually has a CUDA torch, transformers and pytest, and may have no
+# network for pip (the device machines here have none): use it as it is when it can; else .venv.
+gpu-check:
+	@if $(PYTHON) -c "import torch, transformers, pytest; assert torch.cuda.is_available()" 2>/dev/null; then \
+	  echo "[gpu-check] using $(PYTHON)'s own CUDA torch"; PYTHONPATH=. $(PYTHON) scripts/gpu_check.py; \
+	else $(MAKE) --no-print-directory setup && $(PY) scripts/gpu_check.py; fi
 
 bench-peers: model
 	@[ -x .venv-vllm/bin/python ] || { echo "bench-peers needs .venv-vllm: run make vllm first"; exit 2; }

@@ -83,14 +83,16 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_cmd_bench)
 
 
-def _detector_monitor(config):
+def _detector_monitor(config, **knobs):
     """``minikv serve --selective-strategy monitor``'s monitor: the audit detector's probing rule
-    (:class:`~minikv.audit.monitor.DetectorMonitor`).  It is wired in here, at the top, because
+    (:class:`~minikv.audit.monitor.DetectorMonitor`); ``knobs`` are its ``threshold`` and
+    ``window``, from ``--selective-monitor-threshold`` / ``--selective-monitor-window`` when given
+    (it checks them: ``window >= threshold >= 2``).  It is wired in here, at the top, because
     neither the engine nor the server may import ``minikv.audit`` (docs/ARCHITECTURE.md, "Layers");
     the import waits until an engine is built, so ``minikv --help`` stays instant."""
     from .audit.monitor import DetectorMonitor
 
-    return DetectorMonitor(config)
+    return DetectorMonitor(config, **knobs)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,11 +6,15 @@ process.  Over real HTTP, with ``cached_tokens`` as the oracle: an attacker enum
 of the token after a victim's template is flagged once it has sent the detector's threshold of
 probes (8); from then on the victim's secret block is out of its reach, the flagged tenant's
 own blocks are out of everyone else's, and benign tenants keep their hits -- their own and the
-shared ones.  tests/test_selective_monitor.py tests the strategy itself, on the engine.
+shared ones.  ``--selective-monitor-threshold`` and ``--selective-monitor-window`` reach the
+detector: a lower threshold flags the prober before it reaches the secret, a small window lets a
+prober that dilutes its probes with other requests go unseen.  tests/test_selective_monitor.py
+tests the strategy itself, on the engine.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 
@@ -40,10 +44,17 @@ def keys_file(tmp_path_factory):
     return path
 
 
+@contextlib.contextmanager
+def serving(keys_file, model, *flags):
+    """A server built by ``app_from_args`` from these flags, on a loopback port for the block."""
+    app, _ = app_from_args(serve_args(keys_file, model, *flags))
+    with BackgroundServer(app) as srv:
+        yield srv
+
+
 @pytest.fixture(scope="module")
 def server(tiny_path, keys_file):
-    app, _ = app_from_args(serve_args(keys_file, tiny_path, *MONITOR))
-    with BackgroundServer(app) as srv:
+    with serving(keys_file, tiny_path, *MONITOR) as srv:
         yield srv
 
 
@@ -60,21 +71,55 @@ def rand(rng, n):
     return [rng.randrange(3, 250) for _ in range(n)]
 
 
+def victim_and_guesses(srv, rng, n: int, secret_at: int):
+    """The victim sends its prompt (a template, one secret token, a block more); returns the
+    template, the prompt and ``n`` guesses of the secret, the truth the ``secret_at``-th."""
+    template, secret, rest = rand(rng, 2 * BS - 1), rand(rng, 1), rand(rng, BS)
+    victim_prompt = template + secret + rest
+    assert cached(srv, "victim", victim_prompt + [3]) == 0
+    decoys = [t for t in range(3, 250) if t != secret[0]][:n - 1]
+    return template, victim_prompt, decoys[:secret_at - 1] + secret + decoys[secret_at - 1:]
+
+
+def probe(srv, template, guesses, rng=None, decoys: int = 0):
+    """The attacker enumerates the token after ``template`` (lesson 04's count attack), sending
+    ``decoys`` unrelated prompts after each probe; per probe: (did the guess hit the victim's
+    block, is the attacker flagged once that probe finished)."""
+    sharing = srv.app.state.engine.sharing
+    out = []
+    for g in guesses:
+        hit = cached(srv, "attacker", template + [g, 0]) >= 2 * BS
+        out.append((hit, "attacker" in sharing.flagged_tenants))
+        for _ in range(decoys):
+            cached(srv, "attacker", rand(rng, 2 * BS + 1))
+    return out
+
+
+def refused_without_monitor(capsys, *flags) -> list[str]:
+    """argparse's errors for ``flags`` given to ``generate`` and to a ``serve`` registered without
+    a monitor (each must refuse them: exit status 2)."""
+    bare = argparse.ArgumentParser()
+    add_serve_parser(bare.add_subparsers())
+    errs = []
+    for parser, argv in ((build_parser(), ["generate", "hi", "--model", "m"]),
+                         (bare, ["serve", "--model", "m", "--api-keys", "k"])):
+        with pytest.raises(SystemExit) as exc:
+            parser.parse_args([*argv, *flags])
+        assert exc.value.code == 2
+        errs.append(capsys.readouterr().err)
+    return errs
+
+
 def test_monitor_flags_a_prober_over_http_and_isolates_both_ways(server):
     sharing = server.app.state.engine.sharing
     assert sharing.name == "monitor" and type(sharing.monitor).__name__ == "DetectorMonitor"
     rng = random.Random(0)
-    template, secret, rest = rand(rng, 2 * BS - 1), rand(rng, 1), rand(rng, BS)
-    victim_prompt = template + secret + rest
-    assert cached(server, "victim", victim_prompt + [3]) == 0
+    template, victim_prompt, guesses = victim_and_guesses(server, rng, n=16, secret_at=13)
     # Shared by default: before any flag, a benign bystander hits the victim's blocks.
     assert cached(server, "bystander", victim_prompt + [4]) == 3 * BS
 
-    # The attacker enumerates the token after the template, the truth 13th (lesson 04's count attack).
-    decoys = [t for t in range(3, 250) if t != secret[0]][:15]
-    guesses = decoys[:12] + secret + decoys[12:]
-    hits = [cached(server, "attacker", template + [g, 0]) >= 2 * BS for g in guesses]
-    assert hits == [False] * 16  # flagged at the 8th probe, so the 13th -- the secret -- misses
+    # flagged at the 8th probe (the detector's default threshold), so the 13th -- the secret -- misses
+    assert probe(server, template, guesses) == [(False, False)] * 7 + [(False, True)] * 9
     assert sharing.flagged_tenants == {"attacker"} and len(sharing.flagged_prefixes) == 1
     # The whole victim prompt: the attacker hits the two blocks its own post-flag probe wrote
     # (template + secret, which it learned nothing from), never the victim's third block.
@@ -104,17 +149,60 @@ def test_bad_strategy_names_are_refused_clearly(tiny_path, keys_file, capsys):
     err = capsys.readouterr().err
     assert "invalid choice: 'nope'" in err and "'k_tenants', 'monitor'" in err
     # where no monitor is wired in (``generate``, or ``serve`` registered without one) it is not offered
-    for argv in (["generate", "hi", "--model", "m", "--selective-strategy", "monitor"],):
-        with pytest.raises(SystemExit):
-            build_parser().parse_args(argv)
-        assert "invalid choice: 'monitor'" in capsys.readouterr().err
-    bare = argparse.ArgumentParser()
-    add_serve_parser(bare.add_subparsers())
-    with pytest.raises(SystemExit):
-        bare.parse_args(["serve", "--model", "m", "--api-keys", "k", "--selective-strategy", "monitor"])
-    assert "invalid choice: 'monitor'" in capsys.readouterr().err
+    assert all("invalid choice: 'monitor'" in err for err in refused_without_monitor(capsys, "--selective-strategy",
+                                                                                      "monitor"))
     # a namespace built by hand reaches the engine's own check, which names the value
     args = serve_args(keys_file, tiny_path, *MONITOR)
     args.selective_strategy = "nope"
     with pytest.raises(ValueError, match=r"selective_strategy='nope' is not valid; choose one of"):
         app_from_args(args)
+
+
+def test_threshold_flag_flags_the_prober_sooner(tiny_path, keys_file):
+    # The same attack on two fresh servers, the secret the 5th guess: the default threshold (8)
+    # answers it from the shared cache -- the secret leaks --, threshold 3 has flagged the
+    # attacker at its 3rd probe.
+    for flags, threshold in (([], 8), (["--selective-monitor-threshold", "3"], 3)):
+        with serving(keys_file, tiny_path, *MONITOR, *flags) as srv:
+            monitor = srv.app.state.engine.sharing.monitor
+            assert (monitor.threshold, monitor.window) == (threshold, 256)
+            template, _, guesses = victim_and_guesses(srv, random.Random(1), n=8, secret_at=5)
+            got = probe(srv, template, guesses)
+            assert [flagged for _, flagged in got] == [False] * (threshold - 1) + [True] * (9 - threshold)
+            assert [hit for hit, _ in got] == [False] * 4 + [threshold > 5] + [False] * 3
+
+
+def test_window_flag_bounds_what_counts_as_recent(tiny_path, keys_file):
+    # Threshold 3 on both servers; the attacker sends two unrelated prompts after each probe, so
+    # any 4 of its requests in a row hold at most 2 probes.  The default window (256) sees the
+    # 3rd probe and flags it; a window of 4 never does, and the 4th guess -- the secret -- leaks.
+    for window, flagged_from in ((None, 3), (4, None)):
+        flags = ["--selective-monitor-threshold", "3"] + (["--selective-monitor-window", str(window)] if window else [])
+        with serving(keys_file, tiny_path, *MONITOR, *flags) as srv:
+            assert srv.app.state.engine.sharing.monitor.window == (window or 256)
+            rng = random.Random(2)
+            template, _, guesses = victim_and_guesses(srv, rng, n=6, secret_at=4)
+            got = probe(srv, template, guesses, rng, decoys=2)
+            assert [flagged for _, flagged in got] == [bool(flagged_from) and i >= flagged_from for i in range(1, 7)]
+            assert [hit for hit, _ in got] == [False] * 3 + [window is not None] + [False] * 2
+
+
+def test_bad_monitor_knobs_are_refused_with_the_value_named(tiny_path, keys_file, capsys):
+    for flag, value, says in (("--selective-monitor-threshold", "1", "expected an integer >= 2, got 1"),
+                              ("--selective-monitor-threshold", "eight", "expected an integer, got 'eight'"),
+                              ("--selective-monitor-window", "0", "expected an integer >= 2, got 0"),
+                              ("--selective-monitor-window", "-5", "expected an integer >= 2, got -5")):
+        with pytest.raises(SystemExit) as exc:
+            serve_args(keys_file, tiny_path, *MONITOR, flag, value)
+        assert exc.value.code == 2
+        assert f"argument {flag}: {says}" in capsys.readouterr().err
+    # only offered where the monitor is: not by ``generate``, nor by ``serve`` registered without one
+    for flag in ("--selective-monitor-threshold", "--selective-monitor-window"):
+        assert all(f"unrecognized arguments: {flag} 64" in err for err in refused_without_monitor(capsys, flag, "64"))
+    # a window shorter than the threshold: the detector's own check, before any port is opened
+    with pytest.raises(ValueError, match=r"window must be an int >= threshold \(8\), got 4"):
+        app_from_args(serve_args(keys_file, tiny_path, *MONITOR, "--selective-monitor-window", "4"))
+    # knobs without the monitor strategy change nothing, and the operator is told so
+    app, _ = app_from_args(serve_args(keys_file, tiny_path, "--selective-monitor-threshold", "3"))
+    assert app.state.engine.sharing is None
+    assert "--selective-monitor-* flags have no effect unless" in capsys.readouterr().err

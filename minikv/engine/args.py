@@ -17,14 +17,21 @@ from .config import SHARING_STRATEGIES
 _VERIFY = {"true": "IDENTITY", "false": "NOTHING", "tokens": "TOKENS"}  # --verify-hits -> VerifyHits
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected an integer > 0, got {value}")
-    return value
+def int_at_least(least: int):
+    """An argparse ``type``: the flag's text as an int >= ``least``; anything else is refused
+    with argparse's usage error naming the value (``expected an integer >= 2, got 1``)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {least}, got {value}")
+        return value
+    return parse
+
+
+positive_int = int_at_least(1)
 
 
 def _quota(text: str):
@@ -34,7 +41,9 @@ def _quota(text: str):
 def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = True, monitor: bool = False) -> None:
     """Engine core + isolation policy flags (all default to the engine's own defaults).
     ``monitor``: offer ``--selective-strategy monitor``, for a command that hands the engine a
-    ``reuse_monitor`` (``minikv serve``: :mod:`minikv.cli` wires the audit detector in)."""
+    ``reuse_monitor`` (``minikv serve``: :mod:`minikv.cli` wires the audit detector in), and the
+    monitor's own knobs, ``--selective-monitor-threshold`` and ``--selective-monitor-window``:
+    not engine settings but the factory's keyword arguments (:func:`monitor_kwargs_from_args`)."""
     g = p.add_argument_group("engine")
     g.add_argument("--model", required=model_required,
                    help="model name (smollm2-135m-instruct, tiny-random) or checkpoint directory")
@@ -64,6 +73,23 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = True
     s.add_argument("--selective-k", type=positive_int,
                    help="k_tenants: distinct tenants that must compute a block before it is shared "
                         "(default 3; an attacker needs k-1 accounts; 2 is UNSAFE)")
+    if monitor:  # the monitor's knobs: passed to the factory as threshold=, window= (monitor_kwargs_from_args)
+        s.add_argument("--selective-monitor-threshold", type=int_at_least(2), metavar="N",
+                       help="monitor: a tenant is flagged and isolated once N of its requests look like "
+                            "probes of one prefix (distinct, sharing that prefix, differing only in the next "
+                            "block, at similar lengths; default 8, at least 2).  Lower catches a prober sooner "
+                            "(its first N guesses are answered from the shared cache) but risks flagging a "
+                            "benign tenant that "
+                            "sends N short questions after a system prompt other tenants share: it loses its "
+                            "cross-tenant hits for the life of the server, and every tenant loses the shared "
+                            "continuations of that prompt")
+        s.add_argument("--selective-monitor-window", type=int_at_least(2), metavar="N",
+                       help="monitor: how many of each tenant's latest requests the detector remembers and "
+                            "scans (default 256; at least the threshold).  Recent means the last N requests, "
+                            "not a time span: a prober goes unseen while fewer than threshold of its probes "
+                            "fall within any N consecutive requests of its own (diluted with decoys).  Larger "
+                            "catches more diluted probing, at the cost of N request summaries (fingerprints, "
+                            "no text) of memory per tenant and a scan of up to N records per request")
     s.add_argument("--hash-algo", choices=HASH_ALGOS, help="block hash (builtin, trunc32, poly are UNSAFE)")
     s.add_argument("--chain-hashes", action=argparse.BooleanOptionalAction, default=None,
                    help="block keys cover their parent's key (--no-chain-hashes is UNSAFE)")
@@ -88,6 +114,16 @@ _FIELDS = ("model", "device", "dtype", "seed", "block_size", "num_blocks", "max_
            "audit_log", "audit_level")
 
 _FIELDS += ("selective_strategy", "selective_k")
+
+
+_MONITOR_FLAGS = {"selective_monitor_threshold": "threshold", "selective_monitor_window": "window"}
+
+
+def monitor_kwargs_from_args(args: argparse.Namespace) -> dict:
+    """Keyword arguments for the ``reuse_monitor`` factory (``threshold=``, ``window=``, the
+    audit detector's own parameter names) for every ``--selective-monitor-*`` flag given; a flag
+    left out keeps the monitor's own default."""
+    return {kw: getattr(args, f) for f, kw in _MONITOR_FLAGS.items() if getattr(args, f, None) is not None}
 
 
 def read_engine_secret(path: str) -> bytes:

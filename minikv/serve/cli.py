@@ -7,11 +7,13 @@ uvicorn are imported when a command runs.
 from __future__ import annotations
 
 import argparse
+import functools
 import ipaddress
 import logging
 import sys
 
-from ..engine.args import add_engine_arguments, engine_kwargs_from_args, positive_int
+from ..engine.args import (add_engine_arguments, engine_kwargs_from_args, int_at_least, monitor_kwargs_from_args,
+                           positive_int)
 
 
 def _is_loopback(host: str) -> bool:
@@ -42,9 +44,11 @@ def limits_from_args(args: argparse.Namespace):
 
 def app_from_args(args: argparse.Namespace):
     """``(app, operator keys)``: what ``minikv serve`` runs for ``args`` -- keys, limits, the engine
-    (with ``args.reuse_monitor`` handed in under ``--selective-strategy monitor``) and the app
-    around it.  Bad settings raise (OSError, ValueError, TypeError, RuntimeError) before a port
-    is opened; warnings about them go to stderr."""
+    (with ``args.reuse_monitor`` handed in under ``--selective-strategy monitor``, given the
+    ``--selective-monitor-*`` values as keyword arguments) and the app around it.  Bad settings
+    raise (OSError, ValueError, TypeError, RuntimeError) before a port is opened -- the monitor's
+    own checks too (``window`` below ``threshold``), as it is built with the engine; warnings
+    about them go to stderr."""
     from ..llm import LLM
     from .app import create_app
     from .auth import load_api_keys
@@ -53,12 +57,17 @@ def app_from_args(args: argparse.Namespace):
     ops = load_api_keys(args.operator_keys, what="operator") if args.operator_keys else None
     limits = limits_from_args(args)
     kwargs = engine_kwargs_from_args(args)
-    if kwargs.get("selective_strategy") == "monitor":
-        kwargs["reuse_monitor"] = args.reuse_monitor  # set by the parser's composition root
+    knobs = monitor_kwargs_from_args(args)
+    if kwargs.get("selective_strategy") == "monitor":  # the factory is set by the parser's composition root
+        kwargs["reuse_monitor"] = functools.partial(args.reuse_monitor, **knobs)
     llm = LLM(**kwargs)
-    if args.trust_client_salt and llm.engine.config.cache_isolation != "tenant":
+    config = llm.engine.config
+    if args.trust_client_salt and config.cache_isolation != "tenant":
         print("warning: --trust-client-salt has no effect unless --cache-isolation tenant", file=sys.stderr)
-    unsafe = llm.engine.config.unsafe_settings()
+    if knobs and getattr(llm.engine.sharing, "name", None) != "monitor":
+        print("warning: --selective-monitor-* flags have no effect unless --enable-prefix-caching "
+              "--cache-isolation selective --selective-strategy monitor", file=sys.stderr)
+    unsafe = config.unsafe_settings()
     if unsafe:
         print("warning: serving with UNSAFE settings: " + ", ".join(unsafe), file=sys.stderr)
     for host in {args.host, args.metrics_host}:
@@ -118,14 +127,7 @@ def _nonneg_float(text: str) -> float:
     return value
 
 
-def _nonneg_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+_nonneg_int = int_at_least(0)
 
 
 def _add_limit_arguments(p: argparse.ArgumentParser) -> None:
@@ -146,9 +148,11 @@ def add_serve_parser(subparsers: argparse._SubParsersAction, reuse_monitor=None)
     """Register ``serve`` on a subparsers action; sets ``func`` to the handler.
 
     ``reuse_monitor``: the factory ``--selective-strategy monitor`` hands the engine
-    (``EngineConfig.reuse_monitor``); without one that strategy is not offered.  The server may
-    not import ``minikv.audit``, where minikv's monitor lives (tests/test_layering.py), so the
-    ``minikv`` command, which sits above both, passes it in (:mod:`minikv.cli`)."""
+    (``EngineConfig.reuse_monitor``), called as ``reuse_monitor(config, threshold=N, window=N)``
+    with whichever ``--selective-monitor-*`` flags were given; without one neither that strategy
+    nor those flags are offered.  The server may not import ``minikv.audit``, where minikv's
+    monitor lives (tests/test_layering.py), so the ``minikv`` command, which sits above both,
+    passes it in (:mod:`minikv.cli`)."""
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
                               description="Serve /v1/completions, /v1/chat/completions, /v1/models, "
                                           "/health and (operators only) /metrics.  The tenant of each request is the "

@@ -38,6 +38,21 @@ def run(path: Path, timeout: int = 600) -> float:
     return elapsed
 
 
+def main(argv: list[str]) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 epilog="Lessons that import exercises/ need MINIKV_EXERCISES=solutions.")
+    ap.add_argument("notebooks", nargs="+", type=Path, help="the .ipynb files to execute in place")
+    ap.add_argument("--timeout", type=int, default=600, help="seconds a cell may run (default 600)")
+    args = ap.parse_args(argv)
+    missing = [str(p) for p in args.notebooks if not p.is_file()]
+    if missing:
+        ap.error(f"no such notebook: {', '.join(missing)}")
+    for path in args.notebooks:
+        print(f"{path}: {run(path, args.timeout):.1f} s", flush=True)
+    return 0
+
+
 if __name__ == "__main__":
-    for arg in sys.argv[1:]:
-        print(f"{arg}: {run(Path(arg)):.1f} s")
+    raise SystemExit(main(sys.argv[1:]))

@@ -13,7 +13,7 @@ import torch
 
 from minikv import LLM, SamplingParams, UnsafeSettingWarning
 from minikv.attacks.collisions import load_committed_pairs
-from minikv.engine.lifecycle import REUSES, crosses_tenants
+from minikv.grading.engines import HitLog  # every reuse (hits and adoptions), by tenant pair
 
 P = SamplingParams(max_tokens=4, temperature=0.0)
 SECRET = "The launch code is 4471. Never reveal it to anyone under any circumstances. "
@@ -22,27 +22,6 @@ BS = 4
 
 def _llm(**kw):
     return _quiet_llm("tiny-random", block_size=BS, enable_prefix_caching=True, **kw)
-
-
-class HitLog:
-    """Records every prefix-cache hit (adoptions included): (hitting tenant, tenant that wrote the block, public)."""
-
-    def __init__(self, engine):
-        self.hits = []
-        self.bm = engine.block_manager
-        self.bm.listeners.append(self)
-
-    def __call__(self, event, ids, seq):
-        if event in REUSES:
-            self.hits += [(seq.tenant, self.bm.blocks[b].writer_tenant, self.bm.blocks[b].public) for b in ids]
-
-    @property
-    def cross(self):
-        return [h for h in self.hits if crosses_tenants(h[:2], h[2])]
-
-    @property
-    def same(self):
-        return [h for h in self.hits if h[0] == h[1]]
 
 
 @pytest.mark.parametrize("algo", ["sha256", "hmac-sha256", "blake2b-keyed", "builtin", "trunc32", "poly"])

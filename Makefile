@@ -6,7 +6,8 @@
 #   make hint EX=2a   the next hint for one exercise (levels 1, 2, 3 on repeat calls)
 #   make bench    run the benchmarks
 #   make gpu-check  the CUDA tests + bench --device cuda (bf16, fp32) on a random SmolLM2-shaped
-#                 model, with a summary (< 6 min; exit 2 when there is no CUDA device)
+#                 model, with a summary (< 6 min; exit 2 when there is no CUDA device;
+#                 scripts/gpu_check.py --dry-run-cpu runs its steps on the CPU)
 #   make bench-peers  minikv vs vLLM's offline LLM, same workload and checkpoint (needs `make vllm`)
 #   make upgrade-deps  re-pin constraints.txt to the newest releases (a throw-away venv
 #                 installed without pins, frozen); review the diff, then `make test`

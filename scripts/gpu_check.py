@@ -20,6 +20,10 @@ Exit status: 0 when every check passed, 1 when one failed, 2 when there is **no 
 ("no CUDA device: nothing to check"): a GPU check that checked nothing has not passed, so a CI
 job that expects a GPU must not go green on a machine without one.  Budget: under 6 minutes on
 one GPU (each step has its own timeout).
+
+``--dry-run-cpu`` runs the same steps on the CPU (no graphs, the CUDA tests skip): a GPU session
+has minutes, not hours, so the script's own code and imports are checked here first.  It checks
+nothing about CUDA and says so in its summary.
 """
 from __future__ import annotations
 
@@ -62,8 +66,8 @@ def build_random_smollm2(out: Path) -> Path:
     return out
 
 
-def check_correctness(path: Path) -> list[tuple[str, bool, str]]:
-    """minikv (both backends) against transformers on the GPU, fp32 and bf16."""
+def check_correctness(path: Path, device: str = "cuda") -> list[tuple[str, bool, str]]:
+    """minikv (both backends) against transformers on ``device`` (the GPU; the CPU for a dry run), fp32 and bf16."""
     import random
 
     import torch
@@ -76,32 +80,34 @@ def check_correctness(path: Path) -> list[tuple[str, bool, str]]:
     ids = [rng.randrange(1000, 48000) for _ in range(300)]
     prompts = [[rng.randrange(1000, 48000) for _ in range(n)] for n in (17, 64, 200, 333)]
     for dtype, tol in (("float32", 1e-4), ("bfloat16", 0.08)):
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation="sdpa").cuda().eval()
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype), attn_implementation="sdpa").to(device).eval()
         with torch.no_grad():
-            want = hf(torch.tensor([ids], device="cuda")).logits[0].float()
+            want = hf(torch.tensor([ids], device=device)).logits[0].float()
         scale = want.abs().max().item()
         for backend in ("reference", "fused"):
-            llm = LLM(str(path), device="cuda", dtype=dtype, attention_backend=backend)
+            llm = LLM(str(path), device=device, dtype=dtype, attention_backend=backend)
             diff = (llm.engine.score(ids) - want).abs().max().item()
             limit = tol * scale
             results.append((f"score {dtype} {backend} vs transformers", diff <= limit,
                             f"max |diff| {diff:.3g} (limit {limit:.3g}, largest logit {scale:.3g})"))
         if dtype == "float32":  # greedy tokens of a batch, fused backend
-            llm = LLM(str(path), device="cuda", dtype=dtype, attention_backend="fused")
+            llm = LLM(str(path), device=device, dtype=dtype, attention_backend="fused")
             got = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))]
             same = 0
             for p, g in zip(prompts, got):
                 with torch.no_grad():
-                    out = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=16, min_new_tokens=16,
+                    out = hf.generate(torch.tensor([p], device=device), max_new_tokens=16, min_new_tokens=16,
                                       do_sample=False, pad_token_id=2)
                 same += out[0, len(p):].tolist() == g
             results.append(("greedy tokens fp32 (fused, batch of 4) == transformers", same == len(prompts),
                             f"{same}/{len(prompts)} sequences identical"))
             g = llm.engine.graphs  # those decode steps ran as CUDA graph replays (cuda_graphs.py)
-            results.append(("CUDA graphs ran the decode steps", g is not None and g.replays > 0,
-                            f"{g.captures} captures, {g.replays} replays" if g is not None else "no graph runner"))
+            if device == "cuda":  # the CPU never captures graphs: nothing to check in a dry run
+                results.append(("CUDA graphs ran the decode steps", g is not None and g.replays > 0,
+                                f"{g.captures} captures, {g.replays} replays" if g is not None else "no graph runner"))
         del hf
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()
     return results
 
 
@@ -119,17 +125,22 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--keep", help="build the model in this directory and keep it")
     ap.add_argument("--skip-bench", action="store_true", help="correctness and tests only")
+    ap.add_argument("--dry-run-cpu", action="store_true",
+                    help="run every step on the CPU instead: checks this script and its imports before a GPU "
+                         "session spends its minutes on them; it checks nothing about CUDA")
     args = ap.parse_args(argv)
     import torch
 
-    if not torch.cuda.is_available():
+    device = "cpu" if args.dry_run_cpu else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: nothing to check (exit status 2: a GPU check that ran nothing has not passed)")
         return 2
     start = time.perf_counter()
-    print(f"gpu-check on {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
+    where = "the CPU (DRY RUN: not a GPU check)" if device == "cpu" else torch.cuda.get_device_name(0)
+    print(f"gpu-check on {where}, torch {torch.__version__}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         path = build_random_smollm2(Path(args.keep or tmp) / "random-smollm2-shape")
-        results = check_correctness(path)
+        results = check_correctness(path, device)
         rc, out, secs = run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-k", "cuda",
                              "tests/test_attention_fused.py", "tests/test_attention_pad_block.py",
                              "tests/test_sampling_batched.py", "tests/test_cuda_graphs.py"], timeout=150)
@@ -138,13 +149,13 @@ def main(argv=None) -> int:
         bench = {}
         if not args.skip_bench:
             report = Path(tmp) / "bench.json"
-            rc, out, secs = run([sys.executable, "-m", "minikv.bench", "--device", "cuda", "--model", str(path),
+            rc, out, secs = run([sys.executable, "-m", "minikv.bench", "--device", device, "--model", str(path),
                                  "--dtypes", "bfloat16,float32", "--only", "throughput,ttft,prefill,ops",
                                  "--json", str(report)], timeout=240)
             print(out, flush=True)
-            results.append(("python -m minikv.bench --device cuda (bf16, fp32)", rc == 0, f"exit {rc} ({secs:.0f} s)"))
+            results.append((f"python -m minikv.bench --device {device} (bf16, fp32)", rc == 0, f"exit {rc} ({secs:.0f} s)"))
             bench = json.loads(report.read_text()) if rc == 0 else {}
-    print("\n== gpu-check summary ==")
+    print("\n== gpu-check summary ==" + (" (DRY RUN on the CPU: the script ran, no GPU was checked)" if device == "cpu" else ""))
     for name, ok, detail in results:
         print(f"  {'PASS' if ok else 'FAIL'}  {name}: {detail}")
     for dtype, t in bench.get("throughput_by_dtype", {}).items():
@@ -152,8 +163,10 @@ def main(argv=None) -> int:
               f" tok/s, ratio {t['throughput_ratio']:.2f}")
     if "ops" in bench:
         o = bench["ops"]
-        print(f"  decode step (batch 16): ops (ATen + oneDNN) reference {o['reference']['ops']}, fused {o['fused']['ops']};"
-              f" CUDA kernels reference {o['reference']['cuda_kernels']}, fused {o['fused']['cuda_kernels']}")
+        kernels = (f"; CUDA kernels reference {o['reference']['cuda_kernels']}, fused {o['fused']['cuda_kernels']}"
+                   if device == "cuda" else "")
+        print(f"  decode step (batch 16): ops (ATen + oneDNN) reference {o['reference']['ops']}, fused {o['fused']['ops']}"
+              + kernels)
     print(f"  total {time.perf_counter() - start:.0f} s (budget 360 s)")
     return 0 if all(ok for _, ok, _ in results) else 1
 

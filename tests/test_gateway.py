@@ -66,8 +66,15 @@ def test_serve_trust_client_salt_isolates_by_salt_both_directions(upstream):
     assert status == 400 and "cache_salt" in body["error"]["message"]
 
 
-def test_serve_ignores_cache_salt_by_default(llm):
-    app = create_app(llm, UPSTREAM_KEY, model_name="tiny-random", report_cached_tokens=True)
+@pytest.fixture
+def own_llm(tiny_path):
+    """An engine of this test's own: the module's ``llm`` is already served by ``upstream``, and
+    an engine is stepped by one runner only (a second live app on it is refused)."""
+    return LLM(tiny_path, enable_prefix_caching=True)
+
+
+def test_serve_ignores_cache_salt_by_default(own_llm):
+    app = create_app(own_llm, UPSTREAM_KEY, model_name="tiny-random", report_cached_tokens=True)
     with BackgroundServer(app) as srv:
         p = prompt("serve-default")
         complete(srv.base_url, "sk-gateway", p, cache_salt="s1")
@@ -248,8 +255,8 @@ def test_probe_verifies_a_salting_upstream_and_measures_its_block_size(upstream)
     assert result.verified and result.method == "cached_tokens" and result.block_size == 16
 
 
-def test_probe_refuses_an_upstream_that_ignores_the_salt(llm):
-    app = create_app(llm, UPSTREAM_KEY, model_name="tiny-random", report_cached_tokens=True)  # no salt trust
+def test_probe_refuses_an_upstream_that_ignores_the_salt(own_llm):
+    app = create_app(own_llm, UPSTREAM_KEY, model_name="tiny-random", report_cached_tokens=True)  # no salt trust
     with BackgroundServer(app) as srv:
         result = probe_upstream(srv.base_url, "tiny-random", "sk-gateway", seed=2)
         assert result.same_salt_hit and result.other_salt_hit and not result.verified

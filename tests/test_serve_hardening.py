@@ -17,6 +17,7 @@ from minikv import LLM
 from minikv.cli import main
 from minikv.engine.chat import render_chat
 from minikv.serve import BackgroundServer, ServeLimits, create_app, create_metrics_app, load_api_keys
+from minikv.serve.runner import EngineRunner
 
 MODEL = "tiny"
 KEYS = {"sk-alice": "alice", "sk-bob": "bob", "sk-café": "carol"}
@@ -384,3 +385,28 @@ def test_serve_flag_turns_the_quota_off_explicitly():
         assert engine_kwargs_from_args(args)["max_cached_blocks_per_tenant"] == value
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--model", "m", "--api-keys", "k", "--max-cached-blocks-per-tenant", "0"])
+
+
+def test_one_engine_is_served_by_one_runner_at_a_time(tiny_path):
+    """Two live apps on one LLM would both step its engine (each runner wakes on the other's
+    work): the second is refused at start, with the reason; once the first stops, it may serve."""
+    llm = LLM(tiny_path, enable_prefix_caching=True)
+    keys = {"sk-alice": "alice"}
+    first = BackgroundServer(create_app(llm, keys, model_name="tiny-random")).start()
+    try:
+        with pytest.raises(RuntimeError, match="already served by another EngineRunner"):
+            EngineRunner(llm.engine).start()   # what a second app's lifespan runs at startup
+        with pytest.raises(RuntimeError, match="did not start"):   # uvicorn logs the reason above
+            BackgroundServer(create_app(llm, keys, model_name="tiny-random")).start()
+        with httpx.Client(base_url=first.base_url, headers={"Authorization": "Bearer sk-alice"}, timeout=30) as c:
+            r = c.post("/completions", json={"model": "tiny-random", "prompt": "still serving", "max_tokens": 2})
+            assert r.status_code == 200, r.text   # the refusal left the first server untouched
+    finally:
+        first.stop()
+    second = BackgroundServer(create_app(llm, keys, model_name="tiny-random")).start()   # the engine is free again
+    try:
+        with httpx.Client(base_url=second.base_url, headers={"Authorization": "Bearer sk-alice"}, timeout=30) as c:
+            r = c.post("/completions", json={"model": "tiny-random", "prompt": "now here", "max_tokens": 2})
+            assert r.status_code == 200, r.text
+    finally:
+        second.stop()

@@ -22,6 +22,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -48,6 +49,14 @@ class _Sink:
             pass
 
 
+# Which runner drives which engine.  An engine is single-threaded: two runners on one engine (two
+# apps built on one LLM, both serving) would both call ``step()`` whenever either has work -- each
+# loop wakes on ``has_unfinished_requests()`` -- racing on the block tables and handing outputs to
+# a runner that has no sink for them.  So a second live runner is refused at start.
+_DRIVERS: "weakref.WeakKeyDictionary[Any, EngineRunner]" = weakref.WeakKeyDictionary()
+_DRIVERS_LOCK = threading.Lock()
+
+
 class EngineRunner:
     """Runs ``engine`` in a background thread; see the module docstring."""
 
@@ -69,6 +78,14 @@ class EngineRunner:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "EngineRunner":
+        """Start the engine thread.  Raises RuntimeError when another runner is already driving
+        this engine (see ``_DRIVERS``): build one LLM per server."""
+        with _DRIVERS_LOCK:
+            other = _DRIVERS.get(self.engine)
+            if other is not None and other is not self and other.alive:
+                raise RuntimeError(f"this engine is already served by another EngineRunner ({other!r}): an "
+                                   "engine is stepped by one thread only; build one LLM per server")
+            _DRIVERS[self.engine] = self
         with self._cond:
             if self._thread is None:
                 self._stopping = False
@@ -85,6 +102,9 @@ class EngineRunner:
             thread.join(timeout)
         with self._cond:
             self._thread = None
+        with _DRIVERS_LOCK:
+            if _DRIVERS.get(self.engine) is self:
+                del _DRIVERS[self.engine]
 
     @property
     def alive(self) -> bool:

@@ -57,8 +57,8 @@ def extract_secret_by_timing(card: dict) -> str:
                     samples[guess].append(oracle.ttft_ms(prefix + found + guess + tail + "#"))
                 flush()                                    # ...and none across rounds
                 rounds += 1
-                if rounds >= 6:                            # the fastest half survives; min() shrugs off spikes,
-                    alive = sorted(alive, key=lambda g: min(samples[g]))[:max(1, len(alive) // 2)]  # 6+ samples a noisy host
+                if rounds >= 4:                            # the fastest half survives; min() shrugs off spikes
+                    alive = sorted(alive, key=lambda g: min(samples[g]))[:max(1, len(alive) // 2)]
             found += alive[0]
     return found
     # END SOLUTION

@@ -169,6 +169,25 @@ def test_threshold_validated():
         detect([], threshold=1)
 
 
+@pytest.mark.parametrize("flag, value, says", [
+    ("--threshold", "1", "expected an integer >= 2, got 1"),
+    ("--threshold", "eight", "expected an integer, got 'eight'"),
+    ("--min-evictions", "0", "expected an integer >= 1, got 0"),
+    ("--block-size", "-16", "expected an integer >= 1, got -16"),
+])
+def test_detect_cli_refuses_bad_numbers_naming_the_value(tmp_path, capsys, flag, value, says):
+    """``minikv audit detect`` checks its numbers at the command line: argparse's usage error
+    (exit 2) names the flag and the value, before any trail is read."""
+    from minikv.audit.cli import main as audit_main
+
+    trail = tmp_path / "trail.jsonl"
+    trail.write_text("")
+    with pytest.raises(SystemExit) as exc:
+        audit_main(["audit", "detect", str(trail), flag, value])
+    assert exc.value.code == 2
+    assert f"argument {flag}: {says}" in capsys.readouterr().err
+
+
 def test_long_decoy_request_does_not_hide_the_probes():
     """One long request sharing the probed prefix used to cancel the whole group."""
     rng, tr = random.Random(5), Trail()

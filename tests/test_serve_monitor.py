@@ -187,7 +187,7 @@ def test_window_flag_bounds_what_counts_as_recent(tiny_path, keys_file):
             assert [hit for hit, _ in got] == [False] * 3 + [window is not None] + [False] * 2
 
 
-def test_bad_monitor_knobs_are_refused_with_the_value_named(tiny_path, keys_file, capsys):
+def test_bad_monitor_knobs_are_refused_with_the_value_named(tiny_path, keys_file, capsys, monkeypatch):
     for flag, value, says in (("--selective-monitor-threshold", "1", "expected an integer >= 2, got 1"),
                               ("--selective-monitor-threshold", "eight", "expected an integer, got 'eight'"),
                               ("--selective-monitor-window", "0", "expected an integer >= 2, got 0"),
@@ -199,9 +199,20 @@ def test_bad_monitor_knobs_are_refused_with_the_value_named(tiny_path, keys_file
     # only offered where the monitor is: not by ``generate``, nor by ``serve`` registered without one
     for flag in ("--selective-monitor-threshold", "--selective-monitor-window"):
         assert all(f"unrecognized arguments: {flag} 64" in err for err in refused_without_monitor(capsys, flag, "64"))
-    # a window shorter than the threshold: the detector's own check, before any port is opened
-    with pytest.raises(ValueError, match=r"window must be an int >= threshold \(8\), got 4"):
-        app_from_args(serve_args(keys_file, tiny_path, *MONITOR, "--selective-monitor-window", "4"))
+    # a window shorter than the threshold: the detector's own check, before the model is loaded
+    # (building an engine here fails the test) and so before any port is opened
+    import minikv.llm
+
+    def no_model(**kwargs):
+        raise AssertionError("the model was loaded before the monitor's knobs were checked")
+    with monkeypatch.context() as m:
+        m.setattr(minikv.llm, "LLM", no_model)
+        for flags, says in ((("--selective-monitor-window", "4"), r"window must be an int >= threshold \(8\), got 4"),
+                            (("--selective-monitor-threshold", "300"), r"window must be an int >= threshold \(300\), got 256"),
+                            (("--selective-monitor-threshold", "6", "--selective-monitor-window", "5"),
+                             r"window must be an int >= threshold \(6\), got 5")):
+            with pytest.raises(ValueError, match=says):
+                app_from_args(serve_args(keys_file, tiny_path, *MONITOR, *flags))
     # knobs without the monitor strategy change nothing, and the operator is told so
     app, _ = app_from_args(serve_args(keys_file, tiny_path, "--selective-monitor-threshold", "3"))
     assert app.state.engine.sharing is None

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
+from ..engine.args import int_at_least, positive_int
+
 Registrar = Callable[["argparse._SubParsersAction"], None]
 
 #: Extra ``audit`` sub-subcommands registered by other modules (e.g. the isolation audit).
@@ -158,10 +160,10 @@ def _add_detect(sub: argparse._SubParsersAction) -> None:
                        description="Read audit trails (a live path brings its rotated .N/.N.gz files, "
                                    "oldest first) and print what the detector flags.")
     p.add_argument("trail", nargs="+", help="JSONL audit trail(s) written by the server: paths or globs")
-    p.add_argument("--threshold", type=int, default=8, help="requests per probing group (default 8)")
-    p.add_argument("--min-evictions", type=int, default=32,
+    p.add_argument("--threshold", type=int_at_least(2), default=8, help="requests per probing group (default 8)")
+    p.add_argument("--min-evictions", type=positive_int, default=32,
                    help="other tenants' blocks a tenant must evict to be flagged for eviction pressure (default 32)")
-    p.add_argument("--block-size", type=int, help="KV block size (default: inferred from the trail)")
+    p.add_argument("--block-size", type=positive_int, help="KV block size (default: inferred from the trail)")
     p.add_argument("--json", action="store_true", help="print findings as JSON")
     p.add_argument("--fail-on-findings", action="store_true", help="exit 2 when anything is found")
     p.set_defaults(func=_cmd_detect)

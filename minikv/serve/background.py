@@ -12,6 +12,7 @@ or audit it over real HTTP, and stop it again.  Three details make that reliable
 """
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -59,13 +60,20 @@ class BackgroundServer:
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
                                         name="minikv-uvicorn", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + timeout
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError("the server did not start")
-            time.sleep(0.01)
+        errors = _ErrorRecorder()  # why start-up failed, when it does (uvicorn only logs it)
+        logging.getLogger("uvicorn.error").addHandler(errors)
+        try:
+            self._thread.start()
+            deadline = time.monotonic() + timeout
+            while not self._server.started:
+                alive = self._thread.is_alive()
+                if not alive or time.monotonic() > deadline:
+                    self.stop()
+                    why = errors.reason() or ("" if not alive else f"not started within {timeout:g} s")
+                    raise RuntimeError("the server did not start" + (f": {why}" if why else ""))
+                time.sleep(0.01)
+        finally:
+            logging.getLogger("uvicorn.error").removeHandler(errors)
         return self
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -82,3 +90,27 @@ class BackgroundServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+class _ErrorRecorder(logging.Handler):
+    """Keeps the errors uvicorn logs while a server starts, so that a failed start can say why
+    (the app's lifespan raising, say) in the exception rather than only in a log nobody reads."""
+
+    def __init__(self):
+        super().__init__(level=logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def reason(self) -> str:
+        """The first exception logged, as ``Type: message``.  uvicorn logs it either with
+        ``exc_info`` or, for a lifespan that raised, as the traceback text starlette sends it;
+        of a traceback only its last line (the exception) is kept."""
+        for r in self.records:
+            if r.exc_info and r.exc_info[1] is not None:
+                return f"{type(r.exc_info[1]).__name__}: {r.exc_info[1]}"
+            text = r.getMessage().strip()
+            if text.startswith("Traceback"):
+                return text.splitlines()[-1].strip()
+        return self.records[0].getMessage().strip() if self.records else ""

@@ -47,8 +47,8 @@ def app_from_args(args: argparse.Namespace):
     (with ``args.reuse_monitor`` handed in under ``--selective-strategy monitor``, given the
     ``--selective-monitor-*`` values as keyword arguments) and the app around it.  Bad settings
     raise (OSError, ValueError, TypeError, RuntimeError) before a port is opened -- the monitor's
-    own checks too (``window`` below ``threshold``), as it is built with the engine; warnings
-    about them go to stderr."""
+    own checks too (``window`` below ``threshold``), before the model is loaded; warnings about
+    settings go to stderr."""
     from ..llm import LLM
     from .app import create_app
     from .auth import load_api_keys
@@ -60,6 +60,9 @@ def app_from_args(args: argparse.Namespace):
     knobs = monitor_kwargs_from_args(args)
     if kwargs.get("selective_strategy") == "monitor":  # the factory is set by the parser's composition root
         kwargs["reuse_monitor"] = functools.partial(args.reuse_monitor, **knobs)
+        # Build one throw-away monitor (no engine yet: config=None) so that its own checks of the
+        # knobs (``window`` below ``threshold``) refuse a bad command before the model loads.
+        kwargs["reuse_monitor"](None)
     llm = LLM(**kwargs)
     config = llm.engine.config
     if args.trust_client_salt and config.cache_isolation != "tenant":

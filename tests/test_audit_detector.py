@@ -134,7 +134,7 @@ def test_cross_tenant_private_hits_flagged_public_not():
     assert len(found) == 1
     f = found[0]
     assert (f.kind, f.tenant, f.request_ids) == ("cross_tenant_hit", "mallory", (r1,))
-    assert "'victim'" in f.detail and "5 private block hit(s)" in f.detail
+    assert "'victim'" in f.detail and "5 private block reuse(s) (hits or adoptions)" in f.detail
     assert "cross_tenant_hit" in format_findings(found)
 
 
@@ -209,7 +209,7 @@ def test_probing_and_cross_tenant_hits_found_at_both_levels(level):
     probes = [tr.request("mallory", SYSTEM + secret[:10] + [cand]) for cand in range(10)]
     found = detect(tr.events)
     assert [(f.kind, f.tenant) for f in found] == [("cross_tenant_hit", "mallory"), ("probing", "mallory")]
-    assert found[0].request_ids == (leak,) and "5 private block hit(s)" in found[0].detail
+    assert found[0].request_ids == (leak,) and "5 private block reuse(s) (hits or adoptions)" in found[0].detail
     assert set(probes) <= set(found[1].request_ids)
 
 

@@ -185,7 +185,7 @@ def _cross_tenant_hits(events: list[dict], label) -> list[Finding]:
     for (tenant, owner), rids in pairs.items():
         uniq = tuple(dict.fromkeys(rids))
         out.append(Finding("cross_tenant_hit", tenant,
-                           f"{len(rids)} private block hit(s) by tenant {tenant!r} on blocks stored by "
+                           f"{len(rids)} private block reuse(s) (hits or adoptions) by tenant {tenant!r} on blocks stored by "
                            f"tenant {owner!r} across {len(uniq)} request(s)", uniq))
     return out
 

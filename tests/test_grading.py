@@ -78,10 +78,23 @@ def test_exercise_table_is_consistent():
 
 # ------------------------------------------------------------------ solution / stub / mutants
 
+#: Graders whose verdict rests on a timing side channel: the reference solution of L2 reads TTFT
+#: from a real server, and on a shared host a burst of load can flip one comparison (CI once saw it
+#: recover '2590' for '2592').  Each attempt is a whole independent grade (a fresh server and a fresh
+#: secret from ``os.urandom``), so a second one bounds a noise failure at its square while a
+#: wrong method -- which fails every attempt -- still fails: the stub and mutant tests below get one.
+TIMING_ATTEMPTS = {"L2": 2}
+
+
 @pytest.mark.parametrize("ex_id", IDS)
 def test_solution_passes(ex_id, capsys):
     ex = BY_ID[ex_id]
-    assert ex.check(ex.target("solutions"), **_extra(ex, "solutions")) is True
+    for attempt in range(TIMING_ATTEMPTS.get(ex_id, 1)):
+        if ex.check(ex.target("solutions"), **_extra(ex, "solutions")) is True:
+            break
+        failed = capsys.readouterr().out  # this attempt's verdict, shown if the last one fails too
+    else:
+        pytest.fail(f"the reference solution failed {attempt + 1} attempt(s); the last said:\n{failed}")
     out = capsys.readouterr().out
     # one verdict line (a grader may print per-finding feedback around it, as the capstone does)
     verdicts = [line for line in out.splitlines() if line.startswith(("✅", "❌"))]

@@ -122,6 +122,15 @@ def test_github_slug_and_section():
     assert section(md, "### Lesson 03") == ""
 
 
+def test_measured_ratios_compare_equal_whatever_their_width():
+    """A right-aligned ratio that crosses 10 (one pad space fewer) is the same band to nbval, and a
+    ratio below 1 -- the effect gone -- is not."""
+    line = "measured: minikv, this CPU (12 tokens){:>8}"
+    assert sanitized(line.format(f"{9.8:5.1f}×")) == sanitized(line.format(f"{10.3:5.1f}×"))
+    assert sanitized("is 2.6× faster") == sanitized("is 12.6× faster")
+    assert sanitized(line.format(f"{0.9:5.1f}×")) != sanitized(line.format(f"{1.2:5.1f}×"))
+
+
 def test_sanitized_applies_the_nbval_config():
     assert not RAW_TIME.search(sanitized("TTFT 12.5 ms, total 0.41 s"))
     assert RAW_TIME.search(sanitized("took 3 seconds"))      # the sanitizer does not cover this form

@@ -42,7 +42,7 @@ import warnings
 
 import torch
 
-from .bench_engine import decode_ops, format_engine, prefill_efficiency, random_prompts, throughput, weight_pass_s
+from .bench_engine import decode_ops, format_engine, format_machine, machine_info, prefill_efficiency, random_prompts, throughput, weight_pass_s
 from .engine import SamplingParams, UnsafeSettingWarning
 from .llm import LLM
 from .models.hub import resolve_model
@@ -191,7 +191,7 @@ def main(argv=None) -> int:
     dtypes = args.dtypes.split(",")
     device, dtype = llm.engine.device, llm.engine.dtype
     report = {"model": args.model, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
-              "threads": torch.get_num_threads()}
+              "threads": torch.get_num_threads(), "machine": machine_info(device)}
     if "throughput" in sections:
         report["throughput_by_dtype"] = bench_throughput(args.model, args.device, dtypes, args.requests, args.max_tokens)
     if "ttft" in sections:
@@ -220,6 +220,8 @@ def main(argv=None) -> int:
 def format_report(report: dict) -> str:
     lines = [f"minikv benchmark: {report['model']} on {report['device']} ({report['dtype']}, "
              f"{report['threads']} threads) -- every ratio beside its absolutes, all from this run"]
+    if "machine" in report:
+        lines.append(format_machine(report["machine"]))
     lines += format_engine(report)
     flat = {}
     for section in ("isolation",):

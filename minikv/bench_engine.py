@@ -41,6 +41,37 @@ def random_prompts(vocab: int, n: int, lo: int, hi: int, seed: int) -> list[list
     return [[rng.randrange(edge, vocab - edge) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
+def machine_info(device) -> dict:
+    """What a figure was measured on: the CPU's model name and whether it has AMX (Intel's matrix
+    units: bf16 matmuls run several times faster with them, so bf16 figures are not comparable
+    between machines with and without), the ISA torch dispatches to, cores, torch's version, and
+    the GPU's name on CUDA.  The same benchmark gave 230 bf16 tokens/s on one 2-core machine of
+    this project (Intel, AMX) and 113 on another (AMD EPYC, AVX-512 without AMX)."""
+    model, flags = "unknown", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown":
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:  # not Linux: the model name is all platform knows
+        import platform
+        model = platform.processor() or model
+    info = {"cpu": model, "amx": "amx_bf16" in flags, "cores": os.cpu_count(), "torch": torch.__version__,
+            "isa": torch.backends.cpu.get_cpu_capability()}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def format_machine(info: dict) -> str:
+    gpu = f", GPU {info['gpu']}" if "gpu" in info else ""
+    return (f"  machine: {info['cpu']} ({info['cores']} cores, {info['isa']}, AMX {'yes' if info['amx'] else 'no'}), "
+            f"torch {info['torch']}{gpu}")
+
+
 def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

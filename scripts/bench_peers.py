@@ -114,7 +114,9 @@ def main(argv=None) -> int:
         print("no .venv-vllm: run `make vllm` first (vLLM's CPU build in its own environment)")
         return 2
     sys.path.insert(0, str(ROOT))
-    from minikv.bench_engine import random_prompts
+    import torch
+
+    from minikv.bench_engine import format_machine, machine_info, random_prompts
     from minikv.models.hub import resolve_model
 
     path = str(resolve_model(args.model))
@@ -125,6 +127,7 @@ def main(argv=None) -> int:
             "system": random_prompts(vocab, 1, 1000, 1000, 0)[0], "questions": random_prompts(vocab, 8, 20, 20, 1)}
     print(f"bench-peers: {args.model} ({path}), {args.requests} requests x {args.max_tokens} tokens; "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    print(format_machine(machine_info(torch.device("cpu"))), flush=True)
     results, failed = {}, False
     with tempfile.TemporaryDirectory() as tmp:
         work_path = Path(tmp) / "work.json"

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 import math
 
+import torch
+
 from minikv import LLM
 from minikv.bench import format_report, hit_rate_vs_tenants, main
 
@@ -36,6 +38,9 @@ def test_bench_report_holds_every_figure_beside_its_ratio(tmp_path, capsys):
     assert math.isclose(t["ttft_hit_over_miss"], t["hit_ms"] / t["miss_ms"])
     assert f"{t['hit_ms']:8.1f} ms" in text and f"{t['miss_ms']:8.1f} ms" in text
     assert 0 < t["weight_pass_ms"] and f"{t['weight_pass_ms']:8.1f} ms" in text  # the hit's floor, printed
+    m = report["machine"]  # what the figures were measured on, printed under the title
+    assert m["cpu"] and m["cores"] >= 1 and isinstance(m["amx"], bool) and m["torch"] == torch.__version__
+    assert f"machine: {m['cpu']} ({m['cores']} cores, {m['isa']}, AMX {'yes' if m['amx'] else 'no'})" in text
     ops = report["ops"]
     assert ops["batch"] == 16 and 0 < ops["fused"]["ops"] < ops["reference"]["ops"]
     assert ops["fused"]["casts"] < ops["reference"]["casts"]

@@ -78,3 +78,19 @@ def test_dense_residual_is_exact_only_when_asked():
     for exact in (True, False):
         got = DenseMatmuls(model, exact).o_proj(0, a, x.clone())
         assert torch.allclose(got, want, atol=1e-5), exact
+
+
+@needs_packing
+def test_the_engine_packs_when_built_not_mid_request():
+    """The fused engine packs its weights when it is built (``matmuls.prepare``), so no request pays
+    the reorder: the first prefix hit of SmolLM2 in fp32 took 360 ms against 95 ms for the next
+    ones while packing waited for it.  Requests reuse those packs; the reference backend packs nothing."""
+    llm = LLM("tiny-random", device="cpu", dtype="float32")
+    model = llm.engine.model
+    packed, head = model._packed, model._packed_head
+    assert packed is not None and len(packed) == model.shape.num_layers and head is not None
+    llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert model._packed is packed and model._packed_head is head
+    assert llm.fork().engine.model._packed is packed  # a fork shares the weights and their packs
+    ref = LLM("tiny-random", device="cpu", dtype="float32", attention_backend="reference").engine.model
+    assert getattr(ref, "_packed", None) is None

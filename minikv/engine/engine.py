@@ -31,6 +31,7 @@ from .device import resolve_device
 from .kv_pool import KVPool, bytes_per_token
 from .lifecycle import LIFECYCLE, Transition
 from .loader import eos_token_ids, resolve_dtype
+from .matmuls import prepare as prepare_matmuls
 from .model_runner import score_tokens
 from .outputs import RequestOutput
 from .sampling import SamplingParams, sample, stop_reason
@@ -73,6 +74,8 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
         self.pool = KVPool(s.num_layers, self.num_blocks, c.block_size, s.num_kv_heads, s.head_dim,
                            self.dtype, self.device)
         self.attention_backend = resolve_backend(c.attention_backend, self.device.type)  # model_runner.FORWARDS
+        if self.attention_backend == "fused":  # oneDNN-packed weights on the CPU: packed now, not mid-request
+            prepare_matmuls(self.model)
         self.graphs = DecodeGraphRunner.for_engine(self)  # None off CUDA, or with enforce_eager
         self._secret = c.engine_secret or new_engine_secret()  # never logged or returned
         hasher = c.block_hasher if c.block_hasher is not None else make_hasher(c.hash_algo, self._secret)

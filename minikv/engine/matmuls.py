@@ -120,6 +120,17 @@ def logits(model, hidden: torch.Tensor, exact: bool) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(hidden, model._packed_head, None, "none", [], "").float()
 
 
+def prepare(model) -> None:
+    """Pack ``model``'s weights now, if any fused step of it would run on packed ones: the engine
+    calls this when it is built, so that the reorder (about 0.3 s for SmolLM2 in fp32 on the 2-core
+    CPU) is paid at start-up, as vLLM pays its warm-up, not by the first request to reach a
+    decode or a prefix hit (a first prefix-hit TTFT of 360 ms against 95 ms for the next ones,
+    measured).  Idempotent; forks sharing the weights share the packs."""
+    if packs(model, exact=False):
+        matmuls_for(model, exact=False)
+        logits(model, model.embed.new_zeros(1, model.shape.hidden_size), exact=False)
+
+
 def matmuls_for(model, exact: bool):
     """The matmuls of one fused step of ``model`` (packed ones are built on first use and kept
     on the model, so forks sharing its weights share them too)."""

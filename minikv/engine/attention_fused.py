@@ -26,9 +26,10 @@ largest logit in fp32, greedy tokens identical) with three changes:
   has the model's dtype, so nothing is cast.  A step without a fresh prefill goes further (fused
   multiply-adds, residuals inside the matmul): see :func:`fused_forward`.
 
-What it does not do: read the pool *inside* the attention kernel.  Keys are gathered per group,
-whole blocks at a time (``index_select`` on ``pool.k_blocks[layer]``: 2-3x faster on the CPU
-than indexing every slot), padded to the group's longest context.  A paged kernel
+What it does not do: read the pool *inside* the attention kernel.  Keys and values are gathered
+per group, whole blocks at a time and both at once (one ``index_select`` on the interleaved
+``pool.kv_blocks[layer]``: 2-3x faster on the CPU than indexing every slot), padded to the
+group's longest context; new tokens' K and V are stored with one ``index_copy_`` likewise.  A paged kernel
 (vLLM's PagedAttention, FlashInfer, or ``flex_attention`` with a paged block mask on CUDA) would
 skip that copy; on the CPU ``flex_attention`` needs ``torch.compile``, which minikv never runs.
 """
@@ -174,22 +175,24 @@ def _split_decodes(decodes: list[tuple], block_size: int) -> list[list[tuple]]:
     return [decodes[:i], decodes[i:]] if one - cost >= MIN_BLOCKS_SAVED else [decodes]
 
 
-def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool, plan: FusedPlan,
+def attend(layer: int, q: torch.Tensor, kv: torch.Tensor, pool, plan: FusedPlan,
            scale: float) -> torch.Tensor:
-    """Attention of the flat queries ``q`` ([T, q_heads, D]; ``k``, ``v``: the new tokens' K/V,
-    already written to the pool).  Returns [T, q_heads * D]."""
+    """Attention of the flat queries ``q`` ([T, q_heads, D]; ``kv``: the new tokens' K and V heads,
+    [T, 2 * kv_heads, D], already written to the pool).  Returns [T, q_heads * D]."""
     t, heads, dim = q.shape
     kv_heads = pool.num_kv_heads
     rep = heads // kv_heads
     if len(plan.groups) > 1:
         out = q.new_empty(t, heads * dim)
+    if any(g.kind == "fresh" for g in plan.groups):  # they attend over the new K/V themselves
+        k, v = kv.chunk(2, dim=1)
     for g in plan.groups:
         if g.kind == "fresh":  # [S, heads, n_max, D] over [S, kv_heads, n_max, D], as transformers does
             qg, kg, vg = (x[g.rows].view(-1, g.n_max, x.shape[1], dim).transpose(1, 2) for x in (q, k, v))
             o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale, enable_gqa=True)
             o = o.transpose(1, 2).reshape(-1, heads * dim)
         else:
-            kg, vg = _read(pool.k_blocks[layer], g), _read(pool.v_blocks[layer], g)  # [S, kv_heads, c_max, D]
+            kg, vg = _read(pool.kv_blocks[layer], g)  # [S, kv_heads, c_max, D] each
             if g.kind == "decode":  # [S, kv_heads, rep, D]: the rep query heads of a KV head as rows
                 qg = (q if g.rows == slice(0, t) else q[g.rows]).view(-1, kv_heads, rep, dim)
             else:  # [S, n_max, heads, D] -> [S, kv_heads, rep * n_max, D]
@@ -211,17 +214,19 @@ def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pool, 
     return out
 
 
-def _read(blocks: torch.Tensor, g: Group) -> torch.Tensor:
-    """The group's keys (or values) as [S, kv_heads, c_max, D]: whole blocks copied out of one
-    layer's ``[blocks, block_size, kv_heads, D]`` pool with ``index_select``.
+def _read(blocks: torch.Tensor, g: Group) -> tuple[torch.Tensor, torch.Tensor]:
+    """The group's keys and values, each [S, kv_heads, c_max, D]: whole blocks copied out of one
+    layer's interleaved ``[blocks, block_size, 2, kv_heads, D]`` pool with one ``index_select``.
 
-    The copy is [S * width, block_size, kv_heads, D], which is [S, c_max, kv_heads, D] in
-    memory; SDPA wants heads before positions, so we hand it that memory with the two middle
-    axes swapped (``view(...).transpose(1, 2)``, written as one ``as_strided``: one op, no copy)."""
+    The copy is [S * width, block_size, 2, kv_heads, D], which is [S, c_max, 2, kv_heads, D] in
+    memory; SDPA wants heads before positions, so we hand it that memory with the axes swapped
+    (one ``as_strided`` each for K and V, V starting ``kv_heads * D`` elements in: views, no copy)."""
     x = blocks.index_select(0, g.kv_blocks)
-    heads, dim = x.shape[2], x.shape[3]
-    c_max = x.shape[0] * x.shape[1] // g.mask.shape[0]
-    return x.as_strided((g.mask.shape[0], heads, c_max, dim), (c_max * heads * dim, dim, heads * dim, 1))
+    heads, dim = x.shape[3], x.shape[4]
+    s = g.mask.shape[0]
+    c_max = x.shape[0] * x.shape[1] // s
+    size, stride = (s, heads, c_max, dim), (c_max * 2 * heads * dim, dim, 2 * heads * dim, 1)
+    return x.as_strided(size, stride), x.as_strided(size, stride, heads * dim)
 
 
 @torch.inference_mode()
@@ -230,7 +235,6 @@ def fused_forward(model, input_ids: torch.Tensor, pool, plan: FusedPlan) -> torc
     s = model.shape
     x = F.embedding(input_ids, model.embed)
     t, dim, norm = input_ids.shape[0], s.head_dim, (s.hidden_size,)
-    split = [s.num_heads, s.num_kv_heads, s.num_kv_heads]
     # A step with a fresh prefill keeps transformers' own op sequence, so that prefill and ``score``
     # logits match it bit for bit in fp32.  Other steps (decodes, prefix-hit prefills) are held to
     # the decode tolerance (2e-4; attention over the pool reduces in another order anyway), so they
@@ -242,14 +246,14 @@ def fused_forward(model, input_ids: torch.Tensor, pool, plan: FusedPlan) -> torc
     for i, L in enumerate(model.layers):
         h = F.rms_norm(x, norm, L.input_norm, s.rms_eps)
         qkv = mm.qkv(i, h).view(t, -1, dim)
-        if exact:  # RoPE on q and k: x * cos + rotate_half(x) * sin, tables broadcast over heads
-            qk, v = qkv.split([s.num_heads + s.num_kv_heads, s.num_kv_heads], dim=1)
-            q, k = (qk * plan.cos).add_(qk.roll(dim // 2, -1) * plan.sin).split(split[:2], dim=1)
+        if exact:  # RoPE on q and k, in place: x * cos + rotate_half(x) * sin, tables broadcast over heads
+            qk = qkv[:, : s.num_heads + s.num_kv_heads]
+            rot = qk.roll(dim // 2, -1).mul_(plan.sin)
+            qk.mul_(plan.cos).add_(rot)
         else:  # the same over q, k and v at once (v's table: cos 1, sin 0), multiply-adds fused
             qkv = (qkv * plan.cos).addcmul_(qkv.roll(dim // 2, -1), plan.sin)
-            q, k, v = qkv.split(split, dim=1)
-        pool.k_slots[i].index_copy_(0, plan.slots, k)
-        pool.v_slots[i].index_copy_(0, plan.slots, v)
-        x = mm.o_proj(i, attend(i, q, k, v, pool, plan, model.scale), x)  # x + o_proj(attention)
+        q, kv = qkv.split([s.num_heads, 2 * s.num_kv_heads], dim=1)  # kv: K heads then V heads, as a pool slot
+        pool.kv_slots[i].index_copy_(0, plan.slots, kv)  # K and V of every new token, one write
+        x = mm.o_proj(i, attend(i, q, kv, pool, plan, model.scale), x)  # x + o_proj(attention)
         x = mm.mlp(i, F.rms_norm(x, norm, L.post_norm, s.rms_eps), x)  # x + down(silu(gate) * up)
     return F.rms_norm(x, norm, model.norm, s.rms_eps)

@@ -12,6 +12,14 @@ Layout: ``k_cache[layer, block, slot, kv_head, head_dim]`` (and ``v_cache`` like
 token at position ``p`` of a sequence lives in slot ``p % block_size`` of physical block
 ``block_table[p // block_size]``; its flat *slot index* is ``block_id * block_size + slot``.
 
+In memory K and V are *interleaved*: one tensor ``[layer, block, slot, 2, kv_head, head_dim]``,
+each slot holding its token's K heads, then its V heads.  That is the order the fused qkv
+matmul already produces them in (``q | k | v`` along a row), so the fused path stores a token's
+K and V with one write, and copies a block's K and V out with one gather (one memcpy per block
+instead of two).  ``k_cache`` and ``v_cache``
+are strided views of that one tensor, with exactly the shape above: indexing, scrubbing and
+``reshape`` work on them as on separate tensors, and write through to the pool.
+
 Two blocks more than ``num_blocks`` are allocated.  The first is the **pad block** (id
 ``num_blocks``).  A batch of block tables is a rectangle, so a short sequence's row must be
 padded up to the longest one's; padding with block 0 would point attention at another
@@ -53,18 +61,21 @@ class KVPool:
         # Zeros, never torch.empty: uninitialised memory would hold whatever the allocator had
         # before (another process's data on a GPU) and make every unmasked read irreproducible.
         # What scrubbing is about is different: data that *requests* wrote and then freed.
-        shape = (num_layers, num_blocks + 2, block_size, num_kv_heads, head_dim)  # + pad and scratch blocks
-        self._k = torch.zeros(shape, dtype=dtype, device=self.device)
-        self._v = torch.zeros(shape, dtype=dtype, device=self.device)
+        shape = (num_layers, num_blocks + 2, block_size, 2, num_kv_heads, head_dim)  # + pad and scratch blocks
+        self._kv = torch.zeros(shape, dtype=dtype, device=self.device)
+        self._k, self._v = self._kv[:, :, :, 0], self._kv[:, :, :, 1]  # [layers, blocks + 2, bs, kv_heads, D]
         self.k_cache, self.v_cache = self._k[:, :num_blocks], self._v[:, :num_blocks]
-        # Per-layer views with one row per slot, pad and scratch blocks included: what writes and gathers index.
-        flat = ((num_blocks + 2) * block_size, num_kv_heads, head_dim)
-        self.k_slots = [self._k[i].view(flat) for i in range(num_layers)]
-        self.v_slots = [self._v[i].view(flat) for i in range(num_layers)]
-        # ... and with one row per *block* ([num_blocks + 2, block_size, kv_heads, head_dim]):
-        # what gathers read.  Copying whole blocks with ``index_select`` moves the same bytes as
-        # indexing every slot, 2-3x faster on the CPU (one memcpy per block, not per slot).
+        # Per-layer views with one row per slot, pad and scratch blocks included: what writes index
+        # ([slots, kv_heads, D] for K or V alone, [slots, 2 * kv_heads, D] for both at once).
+        slots = (num_blocks + 2) * block_size
+        self.k_slots = [self._k[i].view(slots, num_kv_heads, head_dim) for i in range(num_layers)]
+        self.v_slots = [self._v[i].view(slots, num_kv_heads, head_dim) for i in range(num_layers)]
+        self.kv_slots = [self._kv[i].view(slots, 2 * num_kv_heads, head_dim) for i in range(num_layers)]
+        # ... and with one row per *block*: what gathers read.  Copying whole blocks with
+        # ``index_select`` moves the same bytes as indexing every slot, 2-3x faster on the CPU (one
+        # memcpy per block, not per slot).  ``kv_blocks[layer]`` is [blocks + 2, bs, 2, kv_heads, D].
         self.k_blocks, self.v_blocks = list(self._k.unbind(0)), list(self._v.unbind(0))
+        self.kv_blocks = list(self._kv.unbind(0))
 
     @property
     def pad_block(self) -> int:

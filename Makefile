@@ -9,6 +9,8 @@
 #                 model, with a summary (< 6 min; exit 2 when there is no CUDA device;
 #                 scripts/gpu_check.py --dry-run-cpu runs its steps on the CPU)
 #   make bench-peers  minikv vs vLLM's offline LLM, same workload and checkpoint (needs `make vllm`)
+#   make kernels  build minikv's C++ paged decode-attention kernel for this CPU (~20 s, once; part
+#                 of `make model`; without a C++ compiler minikv runs pure PyTorch instead)
 #   make upgrade-deps  re-pin constraints.txt to the newest releases (a throw-away venv
 #                 installed without pins, frozen); review the diff, then `make test`
 # Installs are pinned: .venv gets exactly the versions in constraints.txt, and is
@@ -24,7 +26,7 @@ MODEL := smollm2-135m-instruct
 NOTEBOOKS := $(wildcard course/*.ipynb)
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
-.PHONY: setup upgrade-deps model chromium course test test-py test-nb test-thorough grade hint bench gpu-check bench-peers clean vllm vllm-start vllm-stop gu-data
+.PHONY: setup upgrade-deps model kernels chromium course test test-py test-nb test-thorough grade hint bench gpu-check bench-peers clean vllm vllm-start vllm-stop gu-data
 
 setup:
 	@$(PYTHON) scripts/bootstrap.py
@@ -32,8 +34,11 @@ setup:
 upgrade-deps:
 	@$(PYTHON) scripts/bootstrap.py --upgrade-deps
 
-model: setup
+model: kernels
 	@$(PY) -m minikv.models.hub fetch $(MODEL) >/dev/null
+
+kernels: setup
+	@$(PY) -m minikv.engine.paged_cpu
 
 chromium:
 	@bash scripts/ensure_chromium.sh

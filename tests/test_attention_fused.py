@@ -20,14 +20,23 @@ from minikv.engine.attention_backends import ATTENTION_BACKENDS, BACKENDS, resol
 from minikv.engine.model_runner import FORWARDS
 from tests.engine_helpers import assert_traces_close
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+from tests.paged_kernel import KERNEL_BUILT  # builds the C++ kernel where a compiler exists
+
 TOL = 1e-4  # of the largest absolute logit
+# The fused backend, and the same with decodes in the C++ kernel ("paged", CPU only)
+FUSED_RUNS = [("cpu", "fused"), ("cpu", "paged")] + ([("cuda", "fused")] if torch.cuda.is_available() else [])
+needs_kernel = pytest.mark.skipif(not KERNEL_BUILT, reason="no C++ compiler: the paged kernel is not built")
 
 
-def _engines(device, dtype="float32"):
+def _runs():
+    return [pytest.param(d, b, marks=needs_kernel) if b == "paged" else (d, b) for d, b in FUSED_RUNS]
+
+
+def _engines(device, dtype="float32", backend="fused"):
     ref = LLM("tiny-random", device=device, dtype=dtype, attention_backend="reference",
               enable_prefix_caching=True, num_blocks=128)
-    fused = ref.fork(attention_backend="fused")
+    fused = ref.fork(attention_backend=backend)
+    assert fused.engine.attention_backend == backend
     return ref.engine, fused.engine
 
 
@@ -61,9 +70,9 @@ def _drive(engine, prompts, late_prompt, max_tokens=6):
     return engine.logit_trace, tokens, cached, kinds
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_fused_matches_reference_on_every_kind_of_step(device):
-    ref, fused = _engines(device)
+@pytest.mark.parametrize("device,backend", _runs())
+def test_fused_matches_reference_on_every_kind_of_step(device, backend):
+    ref, fused = _engines(device, backend=backend)
     rng = random.Random(1)
     vocab = ref.model.shape.vocab_size
     prefix = [rng.randrange(3, vocab) for _ in range(40)]
@@ -77,28 +86,31 @@ def test_fused_matches_reference_on_every_kind_of_step(device):
     assert_traces_close(trace_r, trace_f, TOL)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_fused_score_matches_reference_at_every_position(device):
-    ref, fused = _engines(device)
+@pytest.mark.parametrize("device,backend", _runs())
+def test_fused_score_matches_reference_at_every_position(device, backend):
+    ref, fused = _engines(device, backend=backend)
     ids = [random.Random(2).randrange(3, 259) for _ in range(70)]
     a, b = ref.score(ids), fused.score(ids)
     assert a.shape == b.shape == (70, ref.model.shape.vocab_size)
     assert (a - b).abs().max().item() <= TOL * a.abs().max().item()
 
 
-def test_decodes_of_very_different_lengths_split_into_two_groups(monkeypatch):
+@pytest.mark.parametrize("backend", ["fused", pytest.param("paged", marks=needs_kernel)])
+def test_decodes_of_very_different_lengths_split_into_two_groups(monkeypatch, backend):
     """Short and long contexts decoding together: the fused plan orders decode rows by context
     length and splits them into two groups (a short one no longer pays for the long one's
-    width).  Logits still match the reference row for row, in the caller's order."""
+    width).  The paged kernel pads nothing, so there all eight form one group.  Logits still
+    match the reference row for row, in the caller's order."""
     import minikv.engine.model_runner as mr
 
     ref = LLM("tiny-random", device="cpu", dtype="float32", attention_backend="reference", num_blocks=256)
-    fused = ref.fork(attention_backend="fused").engine
+    fused = ref.fork(attention_backend=backend).engine
     seen = []
 
     def spy(*args, **kwargs):
         plan = build_plan(*args, **kwargs)
-        seen.append([(g.kind, g.mask.shape[0] if g.mask is not None else 1) for g in plan.groups])
+        seen.append([(g.kind, g.mask.shape[0] if g.mask is not None else len(g.ctx) if g.ctx is not None else 1)
+                     for g in plan.groups])
         return plan
 
     build_plan = mr.build_plan
@@ -118,8 +130,9 @@ def test_decodes_of_very_different_lengths_split_into_two_groups(monkeypatch):
                 if out.finished:
                     tokens[out.request_id] = out.outputs[0].token_ids
         runs.append((engine.logit_trace, tokens))
-    decode_steps = [kinds for kinds in seen if kinds and all(k == "decode" for k, _ in kinds)]
-    assert decode_steps and all(kinds == [("decode", 4), ("decode", 4)] for kinds in decode_steps), seen
+    decode_steps = [kinds for kinds in seen if kinds and all(k in ("decode", "paged") for k, _ in kinds)]
+    expected = [("decode", 4), ("decode", 4)] if backend == "fused" else [("paged", 8)]
+    assert decode_steps and all(kinds == expected for kinds in decode_steps), seen
     (trace_r, tokens_r), (trace_f, tokens_f) = runs
     assert tokens_r == tokens_f and len(tokens_r) == 8
     assert_traces_close(trace_r, trace_f, TOL)
@@ -196,6 +209,23 @@ def test_fused_decode_step_costs_fewer_ops_per_layer_and_no_casts():
     assert f.get("aten::add_", 0) == 0, f  # decode-only: residuals inside the matmuls
     assert f.get("aten::index_copy_", 0) == f.get("aten::index_select", 0) == 1, f  # K and V at once
     assert sum(f.values()) <= 19 and sum(f.values()) < 0.6 * sum(r.values()), (sum(f.values()), sum(r.values()))
+
+
+@needs_kernel
+def test_paged_decode_step_is_one_kernel_call_per_layer():
+    """With the C++ kernel, a layer's decode attention is one op: no block gather, no strided
+    views, no SDPA, no mask; the rest of the layer is the fused backend's.  At most 14 ops per
+    layer (SmolLM2's 30 layers then cost at most 420 of the 500 the issue allows; the
+    whole-step count on SmolLM2 itself is in test_paged_kernel.py)."""
+    ref, _ = _engines("cpu")
+    one, two = (decode_step_ops(_with_layers(ref, n, "paged")) for n in (1, 2))
+    p = {k: two.get(k, 0) - one.get(k, 0) for k in set(one) | set(two)}
+    assert p.get("minikv::paged_decode") == 1, p
+    assert all(p.get(k, 0) == 0 for k in ("aten::index_select", "aten::as_strided",
+                                          "aten::scaled_dot_product_attention", "aten::masked_fill_")), p
+    assert p.get("aten::index_copy_") == 1 and p.get("aten::rms_norm") == 2, p  # the pool write stays
+    assert all(v >= 0 for v in p.values()) and sum(p.values()) <= 14, p
+    assert one.get("minikv::paged_decode") == 1 and one.get("aten::masked_fill_", 0) == 0, one  # no decode mask built
 
 
 def test_batched_sampling_calls_no_item_per_row():

@@ -18,15 +18,22 @@ def test_bench_report_holds_every_figure_beside_its_ratio(tmp_path, capsys):
                  "--dtypes", "float32,bfloat16", "--requests", "4", "--max-tokens", "8", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     text = capsys.readouterr().out
+    from minikv.engine import paged_cpu
+
+    auto = "paged" if paged_cpu.available() else "fused"  # what attention_backend="auto" runs here
     assert set(report["throughput_by_dtype"]) == set(report["prefill_by_dtype"]) == {"float32", "bfloat16"}
     for dtype, t in report["throughput_by_dtype"].items():
-        for side in ("minikv", "reference", "transformers"):
+        sides = ("minikv", "fused", "reference", "transformers") if auto == "paged" else ("minikv", "reference", "transformers")
+        assert ("fused_tokens_per_s" in t) == (auto == "paged")  # the kernel's gain, measured beside it
+        for side in sides:
             rate = t[f"{side}_tokens_per_s"]
             assert math.isfinite(rate) and rate > 0, (dtype, side)
             assert f"{rate:8.1f} tok/s" in text
         assert math.isclose(t["throughput_ratio"], t["minikv_tokens_per_s"] / t["transformers_tokens_per_s"])
         assert math.isclose(t["reference_ratio"], t["reference_tokens_per_s"] / t["transformers_tokens_per_s"])
-        assert t["backend"] == "fused" and t["repeats"] >= 2 and t["load_before"] >= 0
+        if auto == "paged":
+            assert math.isclose(t["fused_ratio"], t["fused_tokens_per_s"] / t["transformers_tokens_per_s"])
+        assert t["backend"] == auto and t["repeats"] >= 2 and t["load_before"] >= 0
         assert t["requests"] == 4 and t["tokens_per_request"] == 8
         assert f"ratio {t['throughput_ratio']:.2f}" in text
     for dtype, p in report["prefill_by_dtype"].items():
@@ -44,8 +51,12 @@ def test_bench_report_holds_every_figure_beside_its_ratio(tmp_path, capsys):
     ops = report["ops"]
     assert ops["batch"] == 16 and 0 < ops["fused"]["ops"] < ops["reference"]["ops"]
     assert ops["fused"]["casts"] < ops["reference"]["casts"]
-    for backend in ("reference", "fused"):
+    assert ops["default"] == auto and (auto == "paged") == ("paged" in ops)
+    if auto == "paged":  # decode attention in one kernel call per layer, no gather, no mask
+        assert ops["paged"]["ops"] < ops["fused"]["ops"]
+    for backend in ("reference", "fused") + (("paged",) if auto == "paged" else ()):
         assert f"{backend:<9} {ops[backend]['ops']:6d}" in text
+    assert f"{auto:<9} {ops[auto]['ops']:6d}   casts {ops[auto]['casts']:4d}   target <= 500" in text
 
 
 def test_prefill_flops_count_matmuls_attention_and_head_without_padding():

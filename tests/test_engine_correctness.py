@@ -20,6 +20,7 @@ import torch
 
 from minikv import LLM, SamplingParams
 from tests.engine_helpers import compare_with_ties, hf_greedy, hf_logits, hf_model
+from tests.paged_kernel import KERNEL_BUILT
 
 PREFILL_TOL = 1e-5
 DECODE_TOL = 2e-4
@@ -27,7 +28,8 @@ DECODE_TOL = 2e-4
 # whole model the logits of transformers itself drift from fp32 by up to ~5% of the largest
 # logit (measured 0.55-1.35 on SmolLM2 logits of 27-36).  minikv must stay within 8% of fp32.
 BF16_TOL = 0.08
-BACKENDS = ["reference", "fused"]
+# "paged": the fused backend with decodes in the C++ kernel (built where a compiler exists)
+BACKENDS = ["reference", "fused", pytest.param("paged", marks=pytest.mark.skipif(not KERNEL_BUILT, reason="kernel not built"))]
 
 PROMPTS = [
     "The capital of France is",

@@ -18,7 +18,7 @@ PACKAGE = ROOT / "minikv"
 
 #: lowest layer first; the units of one layer are peers
 LAYERS = (
-    ("minikv._lazy", "minikv.security"),            # primitives: no minikv imports but these
+    ("minikv._lazy", "minikv.home", "minikv.security"),  # primitives: no minikv imports but these
     ("minikv.engine", "minikv.models"),             # the engine; where checkpoints come from
     ("minikv.audit.trail",),                        # the recorder the engine is handed
     ("minikv.llm",),                                # the front door: composes the three above

@@ -12,10 +12,15 @@ minikv has two implementations of the same forward pass, chosen by
   (:class:`~minikv.engine.attention_fused.FusedPlan`); prefill, prefix-hit prefill and decode
   each run as one batched attention call per layer; residual adds ride on ``addmm``.  Pure
   PyTorch, no compilation, on every device.
-* ``"auto"`` -- ``"fused"`` on every device (measured on the 2-core CPU, see README "Benchmark":
-  fewer ops per decode step and no slower prefill).  It never compiles anything: on the CPU
-  ``flex_attention`` works only through ``torch.compile`` (about 27 s for the first compile and
-  about 2x slower than SDPA at 1,024 tokens, measured for issue 11), so SDPA it is.
+* ``"paged"`` -- ``"fused"``, except that decodes attend through minikv's C++ CPU kernel
+  (``paged_cpu.py``), which follows each sequence's block table and reads K and V where they
+  lie in the pool: no gathered copy, no padding to the longest context, no mask.  CPU only; the
+  kernel is compiled once at set-up (``make model``), never by a request.
+* ``"auto"`` -- ``"paged"`` on a CPU where set-up built the kernel, ``"fused"`` everywhere else
+  (measured on the 2-core CPU, see README "Benchmark").  It never compiles anything: on the
+  CPU ``flex_attention`` works only through ``torch.compile`` (about 27 s for the first compile
+  and about 2x slower than SDPA at 1,024 tokens, measured for issue 11), so SDPA or the
+  prebuilt kernel it is; a machine without a compiler simply runs ``"fused"``.
 
 The names live here, free of torch, so ``config`` and the CLI can list them; the implementations
 are registered under the same names in ``model_runner.FORWARDS`` (a test checks the two agree).
@@ -25,16 +30,50 @@ from __future__ import annotations
 BACKENDS = {
     "reference": "explicit per-layer gather and masks (what the lessons read)",
     "fused": "per-step metadata, batched SDPA per layer, no per-layer casts",
+    "paged": "fused, with decodes read in place from the pool by minikv's C++ CPU kernel",
 }
+FUSED = ("fused", "paged")  # the backends that run attention_fused.fused_forward
 ATTENTION_BACKENDS = (*BACKENDS, "auto")
 
 
-def resolve_backend(name: str, device_type: str) -> str:
-    """The concrete backend ``name`` means on a device of type ``device_type`` (``"cpu"``, ``"cuda"``)."""
+def resolve_backend(name: str, device_type: str, head_dim: int | None = None, dtype: str | None = None) -> str:
+    """The concrete backend ``name`` means on a device of type ``device_type`` (``"cpu"``,
+    ``"cuda"``) for a model of ``head_dim`` in ``dtype`` (``"float32"``...; ``None``: not checked)."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend={name!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
+    if name == "paged":
+        if device_type != "cpu":
+            raise ValueError(f"attention_backend='paged' is minikv's CPU kernel; on {device_type!r} use 'fused' or 'auto'")
+        why = _kernel_unsupported(head_dim, dtype)
+        if why:
+            raise ValueError(f"attention_backend='paged': {why}; use 'fused' or 'auto'")
+        if not _kernel_built():
+            raise RuntimeError("attention_backend='paged' needs its kernel built once: `make model` or "
+                               "`python -m minikv.engine.paged_cpu` (a C++ compiler is required); 'fused' needs none")
+        return name
     if name != "auto":
         return name
-    # CPU and CUDA alike.  On CUDA, the fused backend's decode-only steps replay CUDA graphs
-    # (cuda_graphs.py) unless enforce_eager; steps with a prefill run eagerly everywhere.
+    # On CUDA, the fused backend's decode-only steps replay CUDA graphs (cuda_graphs.py) unless
+    # enforce_eager; steps with a prefill run eagerly everywhere.
+    if device_type == "cpu" and not _kernel_unsupported(head_dim, dtype) and _kernel_built():
+        return "paged"
     return "fused"
+
+
+# What the C++ kernel is instantiated for (kernels/paged_attention.cpp, ``decode_any``).
+KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)
+KERNEL_DTYPES = ("float32", "bfloat16")
+
+
+def _kernel_unsupported(head_dim, dtype) -> str | None:
+    if head_dim is not None and head_dim not in KERNEL_HEAD_DIMS:
+        return f"head_dim {head_dim} is not one of {KERNEL_HEAD_DIMS}"
+    if dtype is not None and dtype not in KERNEL_DTYPES:
+        return f"dtype {dtype!r} is not one of {KERNEL_DTYPES}"
+    return None
+
+
+def _kernel_built() -> bool:
+    from .paged_cpu import available  # imports torch: only when an engine is being built
+
+    return available()

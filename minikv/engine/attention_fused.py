@@ -26,12 +26,14 @@ largest logit in fp32, greedy tokens identical) with three changes:
   has the model's dtype, so nothing is cast.  A step without a fresh prefill goes further (fused
   multiply-adds, residuals inside the matmul): see :func:`fused_forward`.
 
-What it does not do: read the pool *inside* the attention kernel.  Keys and values are gathered
-per group, whole blocks at a time and both at once (one ``index_select`` on the interleaved
-``pool.kv_blocks[layer]``: 2-3x faster on the CPU than indexing every slot), padded to the
-group's longest context; new tokens' K and V are stored with one ``index_copy_`` likewise.  A paged kernel
-(vLLM's PagedAttention, FlashInfer, or ``flex_attention`` with a paged block mask on CUDA) would
-skip that copy; on the CPU ``flex_attention`` needs ``torch.compile``, which minikv never runs.
+Where it reads the pool: keys and values are gathered per group, whole blocks at a time and both
+at once (one ``index_select`` on the interleaved ``pool.kv_blocks[layer]``: 2-3x faster on the CPU
+than indexing every slot), padded to the group's longest context; new tokens' K and V are stored
+with one ``index_copy_`` likewise.  The ``paged`` backend skips that copy for decodes: a ``"paged"``
+group hands the block tables to minikv's C++ kernel (``paged_cpu.py``), which reads the pool in
+place, as vLLM's PagedAttention does.  On CUDA a paged kernel (FlashInfer, or ``flex_attention``
+with a paged block mask) would do the same; on the CPU ``flex_attention`` needs
+``torch.compile``, which minikv never runs.
 """
 from __future__ import annotations
 
@@ -41,6 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from .matmuls import matmuls_for
+from .paged_cpu import paged_decode
 
 # A prefix-hit group is split into one group per sequence when padding it to its longest member
 # would more than double the query rows (one 4,000-token tail among short ones, say).
@@ -58,8 +61,10 @@ class Group:
 
     ``kind`` is ``"fresh"`` (one prefill with nothing cached: causal attention over its own new
     K/V, exactly what transformers computes), ``"cached"`` (prefix-hit
-    prefills: the new tokens over the whole context, read from the pool, with a mask) or
-    ``"decode"`` (one query per sequence, over the pool, with a mask)."""
+    prefills: the new tokens over the whole context, read from the pool, with a mask),
+    ``"decode"`` (one query per sequence, over the pool, with a mask) or ``"paged"`` (every
+    decode, read in place by the C++ kernel: ``kv_blocks`` is then the [S, width] table and
+    ``ctx`` the context lengths; no mask, no gather)."""
 
     kind: str
     rows: torch.Tensor | slice  # [S, n_max] flat rows of the queries (decode: a slice, one row each)
@@ -68,6 +73,7 @@ class Group:
     n_max: int
     kv_blocks: torch.Tensor | None = None  # [S * width] pool block of every key block (pad block past the end)
     mask: torch.Tensor | None = None  # [S, 1, rep * n_max or 1, c_max] additive (0 / -inf), model dtype
+    ctx: torch.Tensor | None = None  # [S] context lengths ("paged" only)
 
 
 @dataclass
@@ -108,6 +114,9 @@ def _group(kind, starts, news, contexts, tables, *, block_size, pad_block, rep, 
     width = max(map(len, tables))
     table = to_device([t + [pad_block] * (width - len(t)) for t in tables], torch.long, device)
     ctx = to_device(contexts, torch.long, device)
+    if kind == "paged":  # the kernel follows the table itself and stops at each context length
+        rows = slice(starts[0], starts[0] + len(starts))
+        return Group(kind, rows, rows, None, n_max, table, ctx=ctx)
     if kind == "decode":  # the query is the last position; it sees the whole context
         rows = slice(starts[0], starts[0] + len(starts))
         return Group(kind, rows, rows, None, n_max, table.flatten(), decode_mask(ctx, width * block_size, dtype))
@@ -132,9 +141,11 @@ def decode_mask(ctx: torch.Tensor, num_keys: int, dtype) -> torch.Tensor:
 
 
 def build_plan(model, positions: torch.Tensor, slots: torch.Tensor, prefills: list[tuple],
-               decodes: list[tuple], block_size: int, pad_block: int) -> FusedPlan:
+               decodes: list[tuple], block_size: int, pad_block: int, paged: bool = False) -> FusedPlan:
     """``prefills``: ``(start_row, num_new, context_len, block_table)`` per prefilling sequence;
-    ``decodes``: ``(row, context_len, block_table)`` per decoding one (rows after the prefills)."""
+    ``decodes``: ``(row, context_len, block_table)`` per decoding one (rows after the prefills).
+    ``paged``: all decodes form one ``"paged"`` group for the C++ kernel (it pads nothing, so
+    there is nothing to gain from splitting them by length)."""
     s, device, dtype = model.shape, model.device, model.dtype
     cos, sin = model.rotary(positions)  # [T, 1, D], the model's dtype
     half = s.head_dim // 2
@@ -158,8 +169,8 @@ def build_plan(model, positions: torch.Tensor, slots: torch.Tensor, prefills: li
         chunks = [mine] if padded_ok else [[p] for p in mine]  # fresh: always one per sequence
         for c in chunks:
             groups.append(_group(kind, [p[0] for p in c], [p[1] for p in c], [p[2] for p in c], [p[3] for p in c], **kw))
-    for c in _split_decodes(decodes, block_size):
-        groups.append(_group("decode", [d[0] for d in c], [1] * len(c), [d[1] for d in c], [d[2] for d in c], **kw))
+    for c in ([decodes] if paged and decodes else _split_decodes(decodes, block_size)):
+        groups.append(_group("paged" if paged else "decode", [d[0] for d in c], [1] * len(c), [d[1] for d in c], [d[2] for d in c], **kw))
     return FusedPlan(slots, cos, sin, groups, exact=exact)
 
 
@@ -187,7 +198,9 @@ def attend(layer: int, q: torch.Tensor, kv: torch.Tensor, pool, plan: FusedPlan,
     if any(g.kind == "fresh" for g in plan.groups):  # they attend over the new K/V themselves
         k, v = kv.chunk(2, dim=1)
     for g in plan.groups:
-        if g.kind == "fresh":  # [S, heads, n_max, D] over [S, kv_heads, n_max, D], as transformers does
+        if g.kind == "paged":  # one query row per sequence; K and V read where they lie in the pool
+            o = paged_decode(q if g.rows == slice(0, t) else q[g.rows], pool.kv_blocks[layer], g.kv_blocks, g.ctx, scale)
+        elif g.kind == "fresh":  # [S, heads, n_max, D] over [S, kv_heads, n_max, D], as transformers does
             qg, kg, vg = (x[g.rows].view(-1, g.n_max, x.shape[1], dim).transpose(1, 2) for x in (q, k, v))
             o = F.scaled_dot_product_attention(qg, kg, vg, is_causal=True, scale=scale, enable_gqa=True)
             o = o.transpose(1, 2).reshape(-1, heads * dim)

@@ -59,8 +59,9 @@ class EngineConfig:
         enable_prefix_caching: reuse the KV of identical full prefix blocks.
         seed: seeds the engine RNG used by requests that set no seed of their own.
         attention_backend: ``"reference"`` (the explicit gather the lessons read), ``"fused"``
-            (per-step metadata, batched attention) or ``"auto"`` (fused; never compiles); see
-            ``attention_backends.py``.  Both compute the same logits.
+            (per-step metadata, batched attention), ``"paged"`` (fused, decodes read in place
+            by the prebuilt C++ CPU kernel) or ``"auto"`` (paged where built, else fused; never
+            compiles); see ``attention_backends.py``.  All compute the same logits.
         enforce_eager: never run CUDA graphs (vLLM's name and meaning); by default a decode-only
             step of the fused backend on CUDA replays one (``cuda_graphs.py``).
 

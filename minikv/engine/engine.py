@@ -22,7 +22,7 @@ from ..security.hashing import make_hasher
 from ..security.keys import derive_operator_key, derive_tenant_key, new_engine_secret
 from ..security.scrub import make_scrubber, scrub_hook, zeroes
 from . import intake, step_guard
-from .attention_backends import resolve_backend
+from .attention_backends import FUSED, resolve_backend
 from .block_manager import ALL_TENANTS, BlockManager
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphRunner
@@ -73,8 +73,9 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
         self.scrubber = scrubber
         self.pool = KVPool(s.num_layers, self.num_blocks, c.block_size, s.num_kv_heads, s.head_dim,
                            self.dtype, self.device)
-        self.attention_backend = resolve_backend(c.attention_backend, self.device.type)  # model_runner.FORWARDS
-        if self.attention_backend == "fused":  # oneDNN-packed weights on the CPU: packed now, not mid-request
+        self.attention_backend = resolve_backend(c.attention_backend, self.device.type, s.head_dim,  # model_runner.FORWARDS
+                                                 str(self.dtype).removeprefix("torch."))
+        if self.attention_backend in FUSED:  # oneDNN-packed weights on the CPU: packed now, not mid-request
             prepare_matmuls(self.model)
         self.graphs = DecodeGraphRunner.for_engine(self)  # None off CUDA, or with enforce_eager
         self._secret = c.engine_secret or new_engine_secret()  # never logged or returned

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from .attention import AttentionMetadata, PrefillItem
+from .attention_backends import FUSED
 from .attention_fused import build_plan, fused_forward, to_device
 from .checks import show
 from .kv_pool import slot_of
@@ -22,14 +23,15 @@ from .sequence import Sequence
 
 
 def prepare_inputs(prefills: list[Sequence], decodes: list[Sequence], block_size: int, device,
-                   pad_block: int, model=None):
+                   pad_block: int, model=None, paged: bool = False):
     """Returns ``(input_ids, positions, meta, last_rows)``; ``last_rows[i]`` is the flat row of
     sequence i's last new token (prefills then decodes): the row we sample its next token from.
 
     ``meta`` is the reference backend's :class:`AttentionMetadata`, or, given ``model``, the fused
     backend's :class:`~minikv.engine.attention_fused.FusedPlan`.  Decode block tables are padded
     with ``pad_block``, the pool's reserved always-zero block (``KVPool.pad_block``), never with
-    a block some request owns."""
+    a block some request owns.  ``paged``: the fused plan's decodes go to the C++ kernel
+    (``paged_cpu.py``) as one group."""
     if model is not None:  # fused: decode rows by context length, so groups of similar length are slices
         decodes_in_order, decodes = decodes, sorted(decodes, key=lambda s: s.num_tokens)
     ids, pos, slots, items, row_of = [], [], [], [], {}
@@ -46,7 +48,8 @@ def prepare_inputs(prefills: list[Sequence], decodes: list[Sequence], block_size
     slots_t, last_rows_t = to_device(slots, torch.long, device), to_device(last_rows, torch.long, device)
     if model is not None:
         dec = [(len(ids) - len(decodes) + i, s.num_tokens, s.block_table) for i, s in enumerate(decodes)]
-        return input_ids, positions, build_plan(model, positions, slots_t, items, dec, block_size, pad_block), last_rows_t
+        return input_ids, positions, build_plan(model, positions, slots_t, items, dec, block_size, pad_block,
+                                                  paged=paged), last_rows_t
     tables = lens = None
     if decodes:
         width = max(len(s.block_table) for s in decodes)
@@ -70,7 +73,7 @@ def _fused(engine, input_ids, positions, plan) -> torch.Tensor:
 
 
 # The attention backends' forward passes, by the names of ``attention_backends.BACKENDS``.
-FORWARDS = {"reference": _reference, "fused": _fused}
+FORWARDS = {"reference": _reference, "fused": _fused, "paged": _fused}
 
 
 def run_model(engine, prefills: list[Sequence], decodes: list[Sequence], all_rows: bool = False) -> torch.Tensor:
@@ -86,10 +89,10 @@ def run_model(engine, prefills: list[Sequence], decodes: list[Sequence], all_row
         return engine.graphs.run(decodes)  # decode-only on CUDA: one graph replay (cuda_graphs.py)
     input_ids, positions, meta, last_rows = prepare_inputs(
         prefills, decodes, engine.block_size, engine.device, engine.pool.pad_block,
-        engine.model if backend == "fused" else None)
+        engine.model if backend in FUSED else None, paged=backend == "paged")
     hidden = FORWARDS[backend](engine, input_ids, positions, meta)
     rows = hidden if all_rows else hidden[last_rows]
-    if backend == "fused":  # the LM head too may run on packed weights (matmuls.py)
+    if backend in FUSED:  # the LM head too may run on packed weights (matmuls.py)
         return fused_logits(engine.model, rows, meta.exact)
     return engine.model.logits(rows)
 

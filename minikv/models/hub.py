@@ -27,6 +27,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from ..home import minikv_home
 from .progress import step_bar, transformers_bars
 from .smollm2 import build_smollm2
 from .tiny import build_tiny
@@ -44,12 +45,6 @@ RECIPES = {"smollm2-135m-instruct": "smollm2-fp32-v1", "tiny-random": "tiny-rand
 ALIASES = {"smollm2-135m-instruct": "smollm2-135m-instruct",
            "huggingfacetb/smollm2-135m-instruct": "smollm2-135m-instruct",
            "smollm2": "smollm2-135m-instruct", "tiny-random": "tiny-random"}
-
-
-def minikv_home() -> Path:
-    """Root of minikv's cache; read on every call so tests can point it elsewhere."""
-    home = os.environ.get("MINIKV_HOME") or Path.home() / ".cache" / "minikv"
-    return Path(home).expanduser().absolute()
 
 
 def resolve_model(name_or_path: str, progress: bool = True) -> Path:

@@ -8,12 +8,12 @@
 // Here each (sequence, KV head) task walks its own block table and streams every key and value
 // exactly once, with no padding: a short sequence batched with a long one costs only its length.
 //
-// The arithmetic is the textbook one (softmax(q.K^T * scale) V) computed *online* one block at a
+// The arithmetic is the textbook one (softmax(q.K^T * scale) V) computed *online*, 32 keys at a
 // time, as FlashAttention does: keep the running maximum m, the running denominator l and the
-// running weighted sum acc; when a block raises the maximum, rescale l and acc by exp(m_old -
+// running weighted sum acc; when a chunk raises the maximum, rescale l and acc by exp(m_old -
 // m_new).  Accumulation is in fp32 whatever the pool's dtype (fp32 or bf16), like SDPA's CPU
-// kernel.  The `rep` query heads that share one KV head (grouped-query attention) are processed
-// together, so each key and value is loaded once for all of them.
+// kernel.  The `rep` query heads that share one KV head (grouped-query attention) share one task,
+// so each key and value is read from the pool once for all of them.
 //
 // Layout contract (checked below; see minikv/engine/kv_pool.py):
 //   q       [S, q_heads, D]     any strides but the last (a view of the qkv matmul's output)
@@ -79,11 +79,15 @@ void decode(const at::Tensor& q, const at::Tensor& blocks, const at::Tensor& tab
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* cp = ctx.data_ptr<int64_t>();
   T* op = out.data_ptr<T>();
-  // One task per (sequence, KV head): 48 for SmolLM2 at batch 16, plenty for a few cores.
-  at::parallel_for(0, S * Hkv, 1, [&](int64_t begin, int64_t end) {
+  // One task per (sequence, KV head): 48 for SmolLM2 at batch 16, plenty for a few cores.  Tasks
+  // are dealt round-robin to the threads, not in contiguous ranges: the engine orders decodes by
+  // context length, so contiguous ranges would hand the last thread all the longest sequences.
+  const int64_t tasks = S * Hkv, lanes = std::min<int64_t>(at::get_num_threads(), tasks);
+  at::parallel_for(0, lanes, 1, [&](int64_t lane_begin, int64_t lane_end) {
     std::vector<float> keys, values;
     float sc[kChunk];
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t lane = lane_begin; lane < lane_end; ++lane)
+    for (int64_t task = lane; task < tasks; task += lanes) {
       const int64_t s = task / Hkv, h = task % Hkv, n = cp[s];
       // 1. Follow the block table: this head's n keys and values, in order, as fp32.  Each is read
       //    from the pool once; the copy is per task and small (n * D * 8 bytes: it stays in cache),

@@ -6,6 +6,7 @@ scripts/bootstrap.py and the import statements of the code. See README, "Depende
 from __future__ import annotations
 
 import ast
+import fnmatch
 import functools
 import importlib.util
 import re
@@ -265,6 +266,9 @@ def test_every_data_file_of_the_package_is_declared():
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"].get("package-data", {})
     for path in (ROOT / "minikv").rglob("*"):
         if path.is_file() and path.suffix not in (".py", ".pyc") and "__pycache__" not in path.parts:
-            package = ".".join(path.parent.relative_to(ROOT).parts)
-            patterns = declared.get(package, [])
-            assert any(path.match(p) for p in patterns), f"{path.relative_to(ROOT)} is not in package-data"
+            # setuptools reads a pattern relative to the package that declares it, so a file in a
+            # plain folder (engine/kernels/) is declared by the package above it ("kernels/*.cpp")
+            rel = path.relative_to(ROOT)
+            owners = [(".".join(rel.parts[:i]), Path(*rel.parts[i:])) for i in range(1, len(rel.parts))]
+            assert any(fnmatch.fnmatch(str(sub), p) for pkg, sub in owners for p in declared.get(pkg, [])), \
+                f"{rel} is not in package-data"

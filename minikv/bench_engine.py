@@ -109,14 +109,13 @@ def throughput(llm, model_path, n=16, max_tokens=64, seed=0, repeats=2) -> dict:
     def run(engine_llm):
         return lambda: sum(len(o.outputs[0].token_ids) for o in engine_llm.generate(prompts, params))
 
-    sides = {"minikv": run(llm), "reference": run(ref), "transformers": run_hf}
-    engines = [llm, ref]
-    if eng.attention_backend == "paged":  # what the C++ kernel buys, side by side in the same run
-        fused = llm.fork(attention_backend="fused")
-        sides = {"minikv": run(llm), "fused": run(fused), "reference": run(ref), "transformers": run_hf}
-        engines.append(fused)
+    engines = {"minikv": llm}
+    if eng.attention_backend == "paged":  # what the C++ kernels buy, side by side in the same run
+        engines["fused"] = llm.fork(attention_backend="fused")
+    engines["reference"] = ref
+    sides = {**{name: run(e) for name, e in engines.items()}, "transformers": run_hf}
     warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    for side in engines:
+    for side in engines.values():
         side.generate(prompts[:2], warm)
     with torch.no_grad():
         hf.generate(input_ids=ids[:2, -64:], attention_mask=mask[:2, -64:], max_new_tokens=4, do_sample=False, pad_token_id=0)

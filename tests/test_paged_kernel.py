@@ -171,10 +171,23 @@ def test_a_changed_source_is_a_different_build(tmp_path, monkeypatch):
 
     monkeypatch.setenv("MINIKV_HOME", str(tmp_path))
     first = paged_cpu.library_path()
-    edited = tmp_path / "paged_attention.cpp"
-    edited.write_text(paged_cpu.SOURCE.read_text() + "\n// edited\n")
-    monkeypatch.setattr(paged_cpu, "SOURCE", edited)
-    assert paged_cpu.library_path() != first and first.parent == paged_cpu.library_path().parent
+    assert {p.name for p in paged_cpu.SOURCES} >= {"paged_attention.cpp", "pointwise.cpp"}
+    for i, source in enumerate(paged_cpu.SOURCES):  # any one edited source is a new library
+        edited = tmp_path / source.name
+        edited.write_text(source.read_text() + "\n// edited\n")
+        monkeypatch.setattr(paged_cpu, "SOURCES", [*paged_cpu.SOURCES[:i], edited, *paged_cpu.SOURCES[i + 1:]])
+        assert paged_cpu.library_path() != first and first.parent == paged_cpu.library_path().parent
+        monkeypatch.undo()
+        monkeypatch.setenv("MINIKV_HOME", str(tmp_path))
+    assert paged_cpu.library_path() == first
+
+
+def test_python_and_the_library_agree_on_the_head_dims():
+    """The registry decides ``auto`` before the library is loaded, so it keeps its own list;
+    the library's dispatch and checks read one C++ list, which it reports."""
+    from minikv.engine import paged_cpu
+
+    assert paged_cpu.head_dims() == KERNEL_HEAD_DIMS
 
 
 def test_smollm2_decode_step_dispatches_at_most_500_ops(smollm2_path):
@@ -188,6 +201,7 @@ def test_smollm2_decode_step_dispatches_at_most_500_ops(smollm2_path):
     assert llm.engine.attention_backend == "paged"  # what auto picks with the kernel built
     counts = count_decode_ops(llm.engine)
     assert counts["minikv::paged_decode"] == llm.engine.model.shape.num_layers
+    assert counts["minikv::rms_norm"] == 2 * llm.engine.model.shape.num_layers + 1  # and the final norm
     assert "aten::scaled_dot_product_attention" not in counts and "aten::index_select" not in counts
     assert sum(counts.values()) <= 500, sum(counts.values())
 

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from .matmuls import matmuls_for
-from .paged_cpu import paged_decode
+from .paged_cpu import paged_decode, rms_norm as kernel_rms_norm
 
 # A prefix-hit group is split into one group per sequence when padding it to its longest member
 # would more than double the query rows (one 4,000-token tail among short ones, say).
@@ -85,6 +85,7 @@ class FusedPlan:
     sin: torch.Tensor  # same shape, rotate-half's sign folded in (not exact: 0 on v's heads)
     groups: list[Group]
     exact: bool = True  # a fresh prefill is in the step: keep transformers' op order (see fused_forward)
+    kernels: bool = False  # the "paged" backend: minikv's C++ CPU kernels (paged_cpu.py) where they apply
 
 
 def to_device(values, dtype, device) -> torch.Tensor:
@@ -175,7 +176,7 @@ def build_plan(model, positions: torch.Tensor, slots: torch.Tensor, prefills: li
             groups.append(_group(kind, [p[0] for p in c], [p[1] for p in c], [p[2] for p in c], [p[3] for p in c], **kw))
     for c in ([decodes] if paged and decodes else _split_decodes(decodes, block_size)):
         groups.append(_group("paged" if paged else "decode", [d[0] for d in c], [1] * len(c), [d[1] for d in c], [d[2] for d in c], **kw))
-    return FusedPlan(slots, cos, sin, groups, exact=exact)
+    return FusedPlan(slots, cos, sin, groups, exact=exact, kernels=paged)
 
 
 def _split_decodes(decodes: list[tuple], block_size: int) -> list[list[tuple]]:
@@ -259,9 +260,10 @@ def fused_forward(model, input_ids: torch.Tensor, pool, plan: FusedPlan) -> torc
     # (``matmuls.py``).  Fewer ops per layer, each a Python dispatch on the CPU and a kernel
     # launch on a GPU.
     exact = plan.exact
-    mm = matmuls_for(model, exact)  # F.linear, or oneDNN-prepacked weights for bf16 on a CPU
+    mm = matmuls_for(model, exact, plan.kernels)  # F.linear, or oneDNN-prepacked weights on a CPU
+    rms = _norm(model, exact, plan.kernels)
     for i, L in enumerate(model.layers):
-        h = F.rms_norm(x, norm, L.input_norm, s.rms_eps)
+        h = rms(x, L.input_norm)
         qkv = mm.qkv(i, h).view(t, -1, dim)
         if exact:  # RoPE on q and k, in place: x * cos + rotate_half(x) * sin, tables broadcast over heads
             qk = qkv[:, : s.num_heads + s.num_kv_heads]
@@ -272,5 +274,15 @@ def fused_forward(model, input_ids: torch.Tensor, pool, plan: FusedPlan) -> torc
         q, kv = qkv.split([s.num_heads, 2 * s.num_kv_heads], dim=1)  # kv: K heads then V heads, as a pool slot
         pool.kv_slots[i].index_copy_(0, plan.slots, kv)  # K and V of every new token, one write
         x = mm.o_proj(i, attend(i, q, kv, pool, plan, model.scale), x)  # x + o_proj(attention)
-        x = mm.mlp(i, F.rms_norm(x, norm, L.post_norm, s.rms_eps), x)  # x + down(silu(gate) * up)
-    return F.rms_norm(x, norm, model.norm, s.rms_eps)
+        x = mm.mlp(i, rms(x, L.post_norm), x)  # x + down(silu(gate) * up)
+    return rms(x, model.norm)
+
+
+def _norm(model, exact: bool, kernels: bool):
+    """The step's RMSNorm: minikv's one-pass C++ op with the kernels, except where an fp32 step
+    is held to transformers' exact rounding (its sum of squares runs in another order than
+    ATen's: ~1e-6 apart); else ``F.rms_norm``, one ATen op (five inside)."""
+    eps, shape = model.shape.rms_eps, (model.shape.hidden_size,)
+    if kernels and not (exact and model.dtype == torch.float32):
+        return lambda x, w: kernel_rms_norm(x, w, eps)
+    return lambda x, w: F.rms_norm(x, shape, w, eps)

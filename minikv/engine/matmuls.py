@@ -31,6 +31,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .paged_cpu import silu_mul
+
 
 def _packing_available() -> bool:
     ops = getattr(torch.ops, "mkldnn", None)
@@ -42,10 +44,12 @@ def _packing_available() -> bool:
 
 
 class DenseMatmuls:
-    """``F.linear`` on the checkpoint's matrices (see the module docstring for ``exact``)."""
+    """``F.linear`` on the checkpoint's matrices (see the module docstring for ``exact``).
+    ``kernels``: SwiGLU's ``silu(gate) * up`` is minikv's one-pass C++ op (``paged_cpu.silu_mul``,
+    bit for bit ATen's ``F.silu(gate) * up`` in fp32, so exact steps may use it too)."""
 
-    def __init__(self, model, exact: bool):
-        self.layers, self.exact = model.layers, exact
+    def __init__(self, model, exact: bool, kernels: bool = False):
+        self.layers, self.exact, self.kernels = model.layers, exact, kernels
 
     def qkv(self, i: int, h: torch.Tensor) -> torch.Tensor:
         L = self.layers[i]
@@ -59,8 +63,13 @@ class DenseMatmuls:
     def mlp(self, i: int, h: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``x + down(silu(gate(h)) * up(h))``."""
         L = self.layers[i]
-        gate, up = F.linear(h, L.gate_up, L.gate_up_bias).chunk(2, dim=-1)
-        return self._residual(x, F.silu(gate).mul_(up), L.down, L.down_bias)
+        gate_up = F.linear(h, L.gate_up, L.gate_up_bias)
+        if self.kernels:
+            act = silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate).mul_(up)
+        return self._residual(x, act, L.down, L.down_bias)
 
     def _residual(self, x, a, weight, bias):
         if self.exact or bias is not None:
@@ -131,11 +140,12 @@ def prepare(model) -> None:
         logits(model, model.embed.new_zeros(1, model.shape.hidden_size), exact=False)
 
 
-def matmuls_for(model, exact: bool):
+def matmuls_for(model, exact: bool, kernels: bool = False):
     """The matmuls of one fused step of ``model`` (packed ones are built on first use and kept
-    on the model, so forks sharing its weights share them too)."""
+    on the model, so forks sharing its weights share them too).  ``kernels``: the ``paged``
+    backend's C++ ops may run between them (dense matmuls only: packed ones fuse SwiGLU already)."""
     if not packs(model, exact):
-        return DenseMatmuls(model, exact)
+        return DenseMatmuls(model, exact, kernels)
     if getattr(model, "_packed", None) is None:
         model._packed = [PackedLayer(L, rows_hint=16) for L in model.layers]
     return PackedMatmuls(model._packed)

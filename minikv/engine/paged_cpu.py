@@ -1,4 +1,4 @@
-"""minikv's paged decode-attention kernel for the CPU: build it once, load it, call it.
+"""minikv's C++ kernels for the CPU (the ``paged`` backend): build them once, load them, call them.
 
 The fused backend in pure PyTorch reads the KV pool by *copying* every decoding sequence's
 blocks into a padded tensor (one ``index_select`` per layer) and handing the copy to SDPA.  A
@@ -6,8 +6,13 @@ decode step of a small model is memory-bound, so that copy and SDPA's second rea
 about 40% of a bf16 decode step on the 2-core CPU.  Production engines do not copy: vLLM's
 PagedAttention kernels (and its CPU ``cpu_attention_with_kv_cache``) follow each sequence's
 block table inside the kernel.  ``kernels/paged_attention.cpp`` is minikv's version of that for
-the CPU, about a hundred lines of C++: one task per (sequence, KV head), an online softmax one
-block at a time, fp32 accumulation; read it, it is written to be read.
+the CPU, about two hundred lines of C++: one task per (sequence, KV head), an online softmax over
+32 keys at a time, fp32 accumulation; read it, it is written to be read.  Beside it,
+``kernels/pointwise.cpp`` has the two row-wise ops that PyTorch dispatches as several:
+RMSNorm (five ops, four temporaries) and SwiGLU's ``silu(gate) * up`` (two), each one pass here.
+
+Every ``kernels/*.cpp`` is compiled into one library, so the ``paged`` backend has all of them or
+none.
 
 How it gets here, and why never mid-lesson:
 
@@ -26,6 +31,7 @@ ATen's own, so the profiler counts it as one op.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import shutil
@@ -37,7 +43,7 @@ from pathlib import Path
 
 from ..home import minikv_home
 
-SOURCE = Path(__file__).parent / "kernels" / "paged_attention.cpp"
+SOURCES = sorted((Path(__file__).parent / "kernels").glob("*.cpp"))
 _lock = threading.Lock()
 _loaded: Path | None = None
 
@@ -46,6 +52,7 @@ def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++"))
 
 
+@functools.lru_cache(maxsize=1)
 def _cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -57,15 +64,15 @@ def _cpu_flags() -> str:
 
 
 def library_path() -> Path | None:
-    """Where this source, torch, compiler and CPU's build lives (``None``: no compiler)."""
+    """Where the build of these sources, torch, compiler and CPU lives (``None``: no compiler)."""
     import torch
 
     cxx = _compiler()
     if cxx is None:
         return None
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), torch.__version__.encode(), cxx.encode(),
-                                     _cpu_flags().encode()])).hexdigest()[:16]
-    return minikv_home() / "kernels" / f"paged_attention-{key}.so"
+    parts = [p.read_bytes() for p in SOURCES] + [torch.__version__.encode(), cxx.encode(), _cpu_flags().encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+    return minikv_home() / "kernels" / f"minikv_cpu-{key}.so"
 
 
 def _command(cxx: str, out: Path) -> list[str]:
@@ -77,7 +84,7 @@ def _command(cxx: str, out: Path) -> list[str]:
             f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w",
             *(f"-I{p}" for p in cpp_extension.include_paths()),
             *(f"-L{p}" for p in cpp_extension.library_paths()),
-            str(SOURCE), "-lc10", "-ltorch_cpu", "-ltorch", "-o", str(out)]
+            *map(str, SOURCES), "-lc10", "-ltorch_cpu", "-ltorch", "-o", str(out)]
 
 
 def build(force: bool = False) -> Path:
@@ -94,7 +101,7 @@ def build(force: bool = False) -> Path:
     proc = subprocess.run(_command(_compiler(), tmp), capture_output=True, text=True)
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)
-        raise RuntimeError(f"building {SOURCE.name} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"building {', '.join(p.name for p in SOURCES)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     os.replace(tmp, path)
     return path
 
@@ -128,6 +135,28 @@ def paged_decode(q, blocks, tables, ctx, scale: float):
     import torch
 
     return torch.ops.minikv.paged_decode(q, blocks, tables, ctx, scale)
+
+
+def rms_norm(x, weight, eps: float):
+    """RMSNorm of the rows of ``x`` ([rows, n], last dim contiguous) by ``weight`` [n]: one pass,
+    fp32 arithmetic, transformers' rounding order (``kernels/pointwise.cpp``)."""
+    import torch
+
+    return torch.ops.minikv.rms_norm(x, weight, eps)
+
+
+def silu_mul(gate_up):
+    """``silu(gate) * up`` of ``gate_up = [gate | up]`` ([rows, 2 * n]): one pass, [rows, n]."""
+    import torch
+
+    return torch.ops.minikv.silu_mul(gate_up)
+
+
+def head_dims() -> tuple[int, ...]:
+    """The head dims the loaded library's decode kernel is instantiated for (load it first)."""
+    import torch
+
+    return tuple(torch.ops.minikv.paged_decode_head_dims())
 
 
 def main(argv: list[str]) -> int:

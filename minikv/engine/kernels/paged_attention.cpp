@@ -38,6 +38,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -51,9 +52,9 @@ inline void exp_inplace(float* x, int64_t n) {
   if (i < n) Vec::loadu(x + i, n - i).exp().store(x + i, n - i);
 }
 
-// One head's row of the pool as fp32 in `dst`: fp32 is copied, bf16 widened (bf16 is the top
-// half of an fp32, so widening is a 16-bit shift, which the compiler vectorizes).
-inline void widen(const float* src, float* dst, int64_t n) { std::copy(src, src + n, dst); }
+// One head's bf16 row of the pool as fp32 in `dst` (bf16 is the top half of an fp32, so widening
+// is a 16-bit shift, which the compiler vectorizes).  fp32 rows need no widening: they are read
+// where they lie.
 inline void widen(const at::BFloat16* src, float* dst, int64_t n) {
   const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
   uint32_t* d = reinterpret_cast<uint32_t*>(dst);
@@ -84,21 +85,36 @@ void decode(const at::Tensor& q, const at::Tensor& blocks, const at::Tensor& tab
   // context length, so contiguous ranges would hand the last thread all the longest sequences.
   const int64_t tasks = S * Hkv, lanes = std::min<int64_t>(at::get_num_threads(), tasks);
   at::parallel_for(0, lanes, 1, [&](int64_t lane_begin, int64_t lane_end) {
-    std::vector<float> keys, values;
+    std::vector<float> keys, values;            // bf16 only: this task's keys and values widened
+    std::vector<const float*> key_at, value_at;  // fp32 row of each position's key and value
     float sc[kChunk];
     for (int64_t lane = lane_begin; lane < lane_end; ++lane)
     for (int64_t task = lane; task < tasks; task += lanes) {
       const int64_t s = task / Hkv, h = task % Hkv, n = cp[s];
-      // 1. Follow the block table: this head's n keys and values, in order, as fp32.  Each is read
-      //    from the pool once; the copy is per task and small (n * D * 8 bytes: it stays in cache),
-      //    not a padded [S, c_max] tensor in memory as in the pure-PyTorch path.
-      keys.resize(n * D);
-      values.resize(n * D);
+      // 1. Follow the block table: where this head's n keys and values are, in order, as fp32.
+      //    An fp32 pool is read in place.  A bf16 one is widened once per task into a small copy
+      //    (n * D * 8 bytes: it stays in cache) that the rep query heads then share; neither is a
+      //    padded [S, c_max] tensor in memory as in the pure-PyTorch path.
+      key_at.resize(n);
+      value_at.resize(n);
+      if constexpr (!std::is_same_v<T, float>) {
+        keys.resize(n * D);
+        values.resize(n * D);
+      }
       for (int64_t b = 0; b * bs < n; ++b) {
         const T* base = kv + tp[s * W + b] * block_stride + h * D;
         for (int64_t j = 0; j < std::min(bs, n - b * bs); ++j) {  // the last block may be partly filled
-          widen(base + j * slot_stride, keys.data() + (b * bs + j) * D, D);
-          widen(base + j * slot_stride + Hkv * D, values.data() + (b * bs + j) * D, D);
+          const int64_t i = b * bs + j;
+          const T* k = base + j * slot_stride;
+          if constexpr (std::is_same_v<T, float>) {
+            key_at[i] = k;
+            value_at[i] = k + Hkv * D;
+          } else {
+            widen(k, keys.data() + i * D, D);
+            widen(k + Hkv * D, values.data() + i * D, D);
+            key_at[i] = keys.data() + i * D;
+            value_at[i] = values.data() + i * D;
+          }
         }
       }
       // 2. Each of the rep query heads sharing this KV head, over those keys and values.
@@ -116,7 +132,7 @@ void decode(const at::Tensor& q, const at::Tensor& blocks, const at::Tensor& tab
           const int64_t count = std::min(kChunk, n - c0);
           float mx = m;
           for (int64_t j = 0; j < count; ++j) {  // scores q . k_j
-            const float* k = keys.data() + (c0 + j) * D;
+            const float* k = key_at[c0 + j];
             Vec dot = qv[0] * Vec::loadu(k);
             for (int64_t i = 1; i < NV; ++i) dot = at::vec::fmadd(qv[i], Vec::loadu(k + i * Vec::size()), dot);
             sc[j] = dot.reduce_add();
@@ -133,7 +149,7 @@ void decode(const at::Tensor& q, const at::Tensor& blocks, const at::Tensor& tab
           m = mx;
           for (int64_t i = 0; i < NV; ++i) acc[i] = acc[i] * Vec(corr);
           for (int64_t j = 0; j < count; ++j) {  // acc += p_j * v_j
-            const float* v = values.data() + (c0 + j) * D;
+            const float* v = value_at[c0 + j];
             const Vec p(sc[j]);
             for (int64_t i = 0; i < NV; ++i) acc[i] = at::vec::fmadd(p, Vec::loadu(v + i * Vec::size()), acc[i]);
           }
@@ -147,19 +163,23 @@ void decode(const at::Tensor& q, const at::Tensor& blocks, const at::Tensor& tab
   });
 }
 
-// The head dims the kernel is instantiated for; paged_cpu.supports() says the same to Python.
-template <typename T>
-void decode_any(const at::Tensor& q, const at::Tensor& blocks, const at::Tensor& tables,
-                const at::Tensor& ctx, float scale, at::Tensor& out) {
-  switch (q.size(2)) {
-    case 16: return decode<T, 16>(q, blocks, tables, ctx, scale, out);
-    case 32: return decode<T, 32>(q, blocks, tables, ctx, scale, out);
-    case 64: return decode<T, 64>(q, blocks, tables, ctx, scale, out);
-    case 128: return decode<T, 128>(q, blocks, tables, ctx, scale, out);
-    case 256: return decode<T, 256>(q, blocks, tables, ctx, scale, out);
-    default: TORCH_CHECK(false, "paged_decode: head_dim ", q.size(2), " is not one of 16, 32, 64, 128, 256");
+// The head dims the kernel is instantiated for, written once: the check below, the dispatch and
+// paged_decode_head_dims() (which Python's attention_backends.KERNEL_HEAD_DIMS is tested against)
+// all read this list.
+template <int64_t... Ds>
+struct HeadDims {
+  static bool has(int64_t d) { return ((d == Ds) || ...); }
+  static std::vector<int64_t> list() { return {Ds...}; }
+  template <typename T>
+  static void decode_any(const at::Tensor& q, const at::Tensor& blocks, const at::Tensor& tables,
+                         const at::Tensor& ctx, float scale, at::Tensor& out) {
+    const int64_t d = q.size(2);  // checked by has() before we get here: exactly one case runs
+    ((d == Ds ? (decode<T, Ds>(q, blocks, tables, ctx, scale, out), true) : false) || ...);
   }
-}
+};
+using Supported = HeadDims<16, 32, 64, 128, 256>;
+
+std::vector<int64_t> paged_decode_head_dims() { return Supported::list(); }
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& blocks, const at::Tensor& tables,
                         const at::Tensor& ctx, double scale) {
@@ -171,8 +191,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& blocks, const at:
   const int64_t S = q.size(0), Hkv = blocks.size(3), D = q.size(2), bs = blocks.size(1);
   TORCH_CHECK(blocks.size(4) == D && Hkv > 0 && q.size(1) % Hkv == 0,
               "paged_decode: ", q.size(1), " query heads of dim ", D, " do not fit ", Hkv, " KV heads of dim ", blocks.size(4));
-  TORCH_CHECK(D == 16 || D == 32 || D == 64 || D == 128 || D == 256,
-              "paged_decode: head_dim ", D, " is not one of 16, 32, 64, 128, 256");
+  TORCH_CHECK(Supported::has(D), "paged_decode: head_dim ", D, " is not one of ", at::IntArrayRef(Supported::list()));
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == S && tables.scalar_type() == at::kLong && tables.is_contiguous(),
               "paged_decode: tables must be a contiguous int64 [S, W] with S = ", S, ", got ", tables.sizes(), " ", tables.scalar_type());
   TORCH_CHECK(ctx.dim() == 1 && ctx.size(0) == S && ctx.scalar_type() == at::kLong && ctx.is_contiguous(),
@@ -188,9 +207,9 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& blocks, const at:
   }
   at::Tensor out = at::empty({S, q.size(1) * D}, q.options().memory_format(at::MemoryFormat::Contiguous));
   if (q.scalar_type() == at::kFloat)
-    decode_any<float>(q, blocks, tables, ctx, static_cast<float>(scale), out);
+    Supported::decode_any<float>(q, blocks, tables, ctx, static_cast<float>(scale), out);
   else
-    decode_any<at::BFloat16>(q, blocks, tables, ctx, static_cast<float>(scale), out);
+    Supported::decode_any<at::BFloat16>(q, blocks, tables, ctx, static_cast<float>(scale), out);
   return out;
 }
 
@@ -198,6 +217,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& blocks, const at:
 
 TORCH_LIBRARY(minikv, m) {
   m.def("paged_decode(Tensor q, Tensor blocks, Tensor tables, Tensor ctx, float scale) -> Tensor");
+  m.def("paged_decode_head_dims() -> int[]", &paged_decode_head_dims);  // no tensors: a catch-all kernel
 }
 
 TORCH_LIBRARY_IMPL(minikv, CPU, m) { m.impl("paged_decode", &paged_decode); }

@@ -1,0 +1,136 @@
+"""minikv's row-wise C++ kernels (``minikv/engine/kernels/pointwise.cpp``): RMSNorm and SwiGLU.
+
+What they are held to:
+
+* **RMSNorm**: a float64 reference of the definition (fp32: 2e-6 relative to the largest output;
+  bf16: one bf16 rounding of it), on rows that are strided views (the engine hands it slices);
+  in bf16 it keeps transformers' rounding order (normalise in fp32, round, then scale), so it
+  agrees with ``minikv.engine.model.rms_norm`` (that order written in PyTorch) where
+  ``F.rms_norm`` in bf16 does not;
+* **SwiGLU**: in fp32, bit for bit ``F.silu(gate) * up`` for widths that are a whole number of
+  vectors (every common model; SmolLM2's 1536): the engine runs it on steps held to
+  transformers' exact rounding.  Other widths and bf16: within the dtype's rounding;
+* **bad input**: a ``RuntimeError`` naming the bad shape, dtype or value;
+* **in the engine**: the ``paged`` backend runs them (counted by op name) and still matches the
+  reference backend (the engine-level logit tests in test_attention_fused.py and
+  test_engine_correctness.py run ``paged`` too).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minikv.engine.model import rms_norm as reference_order_rms_norm
+from tests.paged_kernel import KERNEL_BUILT
+
+pytestmark = pytest.mark.skipif(not KERNEL_BUILT, reason="no C++ compiler: minikv's CPU kernels are not built")
+
+
+def rms_norm(x, w, eps):
+    return torch.ops.minikv.rms_norm(x, w, eps)
+
+
+def silu_mul(gate_up):
+    return torch.ops.minikv.silu_mul(gate_up)
+
+
+def _rms_reference(x, w, eps):
+    xd = x.double()
+    return w.double() * xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,n", [(1, 576), (16, 576), (300, 576), (7, 100), (5, 17)])
+def test_rms_norm_matches_the_definition(dtype, rows, n):
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    wide = (torch.randn(rows, 2 * n, generator=g) * 3).to(dtype)
+    x = wide[:, n:]  # a strided view: row stride 2n
+    w = (torch.rand(n, generator=g) + 0.5).to(dtype)
+    out = rms_norm(x, w, 1e-5)
+    assert out.shape == (rows, n) and out.dtype == dtype and out.is_contiguous()
+    ref = _rms_reference(x, w, 1e-5)
+    err = (out.double() - ref).abs().max().item() / ref.abs().max().item()
+    assert err <= (2e-6 if dtype == torch.float32 else 2 ** -7), err
+    if dtype == torch.bfloat16:  # transformers' order: the few differences are one bf16 step apart
+        same = (out == reference_order_rms_norm(x, w, 1e-5)).float().mean().item()
+        assert same >= 0.99, same
+
+
+def test_rms_norm_is_row_independent():
+    """A row's result does not depend on which other rows share the call (or how the rows were
+    split between threads): a decode's output is the same alone or batched."""
+    x = torch.randn(257, 576)
+    w = torch.rand(576) + 0.5
+    full = rms_norm(x, w, 1e-6)
+    assert torch.equal(full[100:101], rms_norm(x[100:101], w, 1e-6))
+    assert torch.equal(full[:16], rms_norm(x[:16], w, 1e-6))
+
+
+@pytest.mark.parametrize("n", [1536, 2048, 64])
+def test_silu_mul_is_atens_bit_for_bit_in_fp32(n):
+    g = torch.Generator().manual_seed(n)
+    gate_up = torch.randn(33, 2 * n, generator=g) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(silu_mul(gate_up), F.silu(gate.contiguous()) * up)
+
+
+@pytest.mark.parametrize("dtype,n", [(torch.float32, 17), (torch.float32, 1539), (torch.bfloat16, 1536), (torch.bfloat16, 17)])
+def test_silu_mul_other_widths_and_bf16_are_within_rounding(dtype, n):
+    g = torch.Generator().manual_seed(n)
+    gate_up = (torch.randn(9, 2 * n, generator=g) * 4).to(dtype)
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    ref = gate * torch.sigmoid(gate) * up
+    out = silu_mul(gate_up)
+    assert out.shape == (9, n) and out.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 2 ** -8  # bf16: one rounding of the product
+    assert torch.allclose(out.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: rms_norm(torch.randn(576), torch.ones(576), 1e-5), "x must be 2-D [rows, n]"),
+    (lambda: rms_norm(torch.randn(4, 576).t(), torch.ones(4), 1e-5), "with a contiguous last dim"),
+    (lambda: rms_norm(torch.randn(4, 576), torch.ones(575), 1e-5), "weight must be a contiguous [576]"),
+    (lambda: rms_norm(torch.randn(4, 8), torch.ones(8, dtype=torch.bfloat16), 1e-5), "of x's dtype Float"),
+    (lambda: rms_norm(torch.randn(4, 8).half(), torch.ones(8).half(), 1e-5), "has dtype Half"),
+    (lambda: rms_norm(torch.randn(4, 8), torch.ones(8), -1.0), "eps must be a positive number, got -1"),
+    (lambda: rms_norm(torch.randn(4, 8), torch.ones(8), float("nan")), "eps must be a positive number, got nan"),
+    (lambda: silu_mul(torch.randn(4, 7)), "an even size, got 7"),
+    (lambda: silu_mul(torch.randn(2, 4, 8)), "gate_up must be 2-D [rows, n]"),
+    (lambda: silu_mul(torch.randn(4, 8, dtype=torch.float64)), "has dtype Double"),
+])
+def test_bad_input_is_refused_with_the_value_named(call, message):
+    with pytest.raises(RuntimeError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        call()
+
+
+def test_the_paged_backend_runs_them_and_the_fused_backend_does_not():
+    """``paged`` is minikv's C++ kernels; ``fused`` stays pure PyTorch (the readable fast path).
+    Counted on a prefill step (the SwiGLU op runs with dense matmuls: an fp32 fresh prefill) and
+    on a decode step (RMSNorm; packed matmuls fuse SwiGLU themselves)."""
+    from torch.profiler import profile
+
+    from minikv import LLM
+    from minikv.engine import SamplingParams
+
+    llm = LLM("tiny-random", dtype="float32", attention_backend="paged")
+    layers = llm.engine.model.shape.num_layers
+    counts = {}
+    for backend, engine_llm in (("paged", llm), ("fused", llm.fork(attention_backend="fused"))):
+        eng = engine_llm.engine
+        eng.add_request("r", list(range(5, 45)), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        with profile() as prefill:
+            eng.step()
+        with profile() as decode:
+            eng.step()
+        while eng.has_unfinished_requests():
+            eng.step()
+        counts[backend] = [{e.name: 0 for e in p.events()} for p in (prefill, decode)]
+        for c, p in zip(counts[backend], (prefill, decode)):
+            for e in p.events():
+                c[e.name] += 1
+    (pre, dec), (fpre, fdec) = counts["paged"], counts["fused"]
+    assert pre.get("minikv::silu_mul") == layers and "aten::silu" not in pre, pre
+    assert pre.get("aten::rms_norm") == 2 * layers + 1  # an exact fp32 step keeps ATen's norm
+    assert dec.get("minikv::rms_norm") == 2 * layers + 1 and "aten::rms_norm" not in dec, dec
+    assert not any(k.startswith("minikv::") for k in (*fpre, *fdec))

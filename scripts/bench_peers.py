@@ -83,7 +83,10 @@ def summarize(rounds: list[dict], work: dict) -> dict:
 
 def vllm_worker(model: str, dtype: str, work_path: str) -> None:
     """Runs under .venv-vllm: vLLM's offline engine, one round per ``round R`` line on stdin,
-    one JSON line per answer on stdout (``ready`` first; vLLM's own logs go to stderr)."""
+    one JSON line per answer on stdout (``ready`` first).  vLLM and its worker processes print to
+    stdout too, so the answers keep the original stdout and everything else is sent to stderr."""
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     from vllm import LLM, SamplingParams
 
     work = json.loads(Path(work_path).read_text())
@@ -95,12 +98,12 @@ def vllm_worker(model: str, dtype: str, work_path: str) -> None:
         return sum(len(o.outputs[0].token_ids) for o in outs)
 
     side = Side(generate, llm.reset_prefix_cache, work)
-    print(json.dumps({"ready": True}), flush=True)
+    print(json.dumps({"ready": True}), file=answers, flush=True)
     for line in sys.stdin:
         cmd, _, arg = line.strip().partition(" ")
         if cmd != "round":
             break
-        print(json.dumps(side.round(int(arg))), flush=True)
+        print(json.dumps(side.round(int(arg))), file=answers, flush=True)
 
 
 class VLLMWorker:

@@ -28,6 +28,7 @@ from .config import EngineConfig
 from .cuda_graphs import DecodeGraphRunner
 from .detokenizer import detokenize, flush
 from .device import resolve_device
+from .host_memory import keep_freed_memory
 from .kv_pool import KVPool, bytes_per_token
 from .lifecycle import LIFECYCLE, Transition
 from .loader import eos_token_ids, resolve_dtype
@@ -55,6 +56,8 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
         self.config = c = config if config is not None else EngineConfig(**kwargs)
         self.device = resolve_device(c.device)
         self.dtype = resolve_dtype(c.dtype, self.device)
+        if self.device.type == "cpu":  # big per-layer temporaries: reuse freed pages (host_memory.py)
+            keep_freed_memory()
         if weights is None:
             raise TypeError("LLMEngine needs weights=(model, tokenizer, hf_config): load them with "
                             "minikv.engine.loader.load_model(path, dtype, device), or build the engine "

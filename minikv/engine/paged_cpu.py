@@ -169,7 +169,8 @@ def main(argv: list[str]) -> int:
         print("[kernels] minikv works without it: attention_backend='auto' runs 'fused'", file=sys.stderr)
         return 0 if "--strict" not in argv else 1
     available()
-    print(f"[kernels] paged decode attention: {path} ({time.perf_counter() - start:.1f} s)")
+    names = ', '.join(p.name for p in SOURCES)
+    print(f"[kernels] minikv CPU kernels ({names}): {path} ({time.perf_counter() - start:.1f} s)")
     return 0
 
 

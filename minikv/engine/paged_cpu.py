@@ -44,6 +44,7 @@ from pathlib import Path
 from ..home import minikv_home
 
 SOURCES = sorted((Path(__file__).parent / "kernels").glob("*.cpp"))
+HEADERS = sorted((Path(__file__).parent / "kernels").glob("*.h"))  # what they share (cpu_vec.h)
 _lock = threading.Lock()
 _loaded: Path | None = None
 
@@ -70,7 +71,7 @@ def library_path() -> Path | None:
     cxx = _compiler()
     if cxx is None:
         return None
-    parts = [p.read_bytes() for p in SOURCES] + [torch.__version__.encode(), cxx.encode(), _cpu_flags().encode()]
+    parts = [p.read_bytes() for p in SOURCES + HEADERS] + [torch.__version__.encode(), cxx.encode(), _cpu_flags().encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     return minikv_home() / "kernels" / f"minikv_cpu-{key}.so"
 

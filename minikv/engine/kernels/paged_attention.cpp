@@ -22,20 +22,8 @@
 //   tables  [S, W] int64        pool block of each of a sequence's key blocks (rows padded)
 //   ctx     [S] int64           context length of each sequence (keys 0..ctx-1 are visible)
 // Returns [S, q_heads * D] in q's dtype, the layout o_proj takes.
-// ATen's vector types pick their width from CPU_CAPABILITY_*; set it from what this build's
-// -march allows, so exp() below runs 16 (AVX-512) or 8 (AVX2) lanes at once through Sleef.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
-#define CPU_CAPABILITY_AVX512
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY_AVX2
-#endif
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/functional.h>
-#include <ATen/cpu/vec/vec.h>
-#include <torch/library.h>
+#include "cpu_vec.h"
 
-#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -43,23 +31,14 @@
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
+using minikv_cpu::to_fp32;
+using minikv_cpu::Vec;
 
 // exp of n floats in place, a vector at a time (the tail as a partial vector).
 inline void exp_inplace(float* x, int64_t n) {
   int64_t i = 0;
   for (; i + Vec::size() <= n; i += Vec::size()) Vec::loadu(x + i).exp().store(x + i);
   if (i < n) Vec::loadu(x + i, n - i).exp().store(x + i, n - i);
-}
-
-// One head's bf16 row of the pool as fp32 in `dst` (bf16 is the top half of an fp32, so widening
-// is a 16-bit shift, which the compiler vectorizes).  fp32 rows need no widening: they are read
-// where they lie.
-inline void widen(const at::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
 }
 
 constexpr int64_t kChunk = 32;  // positions per online-softmax update
@@ -110,8 +89,8 @@ void decode(const at::Tensor& q, const at::Tensor& blocks, const at::Tensor& tab
             key_at[i] = k;
             value_at[i] = k + Hkv * D;
           } else {
-            widen(k, keys.data() + i * D, D);
-            widen(k + Hkv * D, values.data() + i * D, D);
+            to_fp32(k, keys.data() + i * D, D);
+            to_fp32(k + Hkv * D, values.data() + i * D, D);
             key_at[i] = keys.data() + i * D;
             value_at[i] = values.data() + i * D;
           }

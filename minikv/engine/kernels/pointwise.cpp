@@ -21,37 +21,20 @@
 //
 // Layout contract (checked below): inputs are 2-D [rows, n] with a contiguous last dim (any row
 // stride: gate_up's halves and qkv views qualify); outputs are new contiguous tensors.
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
-#define CPU_CAPABILITY_AVX512
-#elif defined(__AVX2__) && defined(__FMA__)
-#define CPU_CAPABILITY_AVX2
-#endif
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <ATen/cpu/vec/vec.h>
-#include <torch/library.h>
+#include "cpu_vec.h"
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
-using Vec = at::vec::Vectorized<float>;
-
+using minikv_cpu::Vec;
 // Rows per task: enough that a small batch (a decode step's 16 rows) stays on one thread, where
 // waking the other would cost more than the work.
 constexpr int64_t kGrainElements = 16384;
 
 inline int64_t grain_rows(int64_t n) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(n, 1)); }
-
-// Loads n values of a row as fp32 into dst (bf16 is the top half of an fp32: a 16-bit shift).
-inline void load_row(const float* src, float* dst, int64_t n) { std::copy(src, src + n, dst); }
-inline void load_row(const at::BFloat16* src, float* dst, int64_t n) {
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
-}
 
 template <typename T>
 void rms_norm_kernel(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& y) {
@@ -61,9 +44,9 @@ void rms_norm_kernel(const at::Tensor& x, const at::Tensor& w, double eps, at::T
   T* yp = y.data_ptr<T>();
   at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
     std::vector<float> row(n), weight(n);
-    load_row(wp, weight.data(), n);
+    minikv_cpu::to_fp32(wp, weight.data(), n);
     for (int64_t r = begin; r < end; ++r) {
-      load_row(xp + r * xs, row.data(), n);
+      minikv_cpu::to_fp32(xp + r * xs, row.data(), n);
       // 1. mean of squares, in fp32, a vector of partial sums at a time
       Vec acc(0.f);
       int64_t i = 0;
@@ -93,8 +76,8 @@ void silu_mul_kernel(const at::Tensor& gu, at::Tensor& out) {
   at::parallel_for(0, rows, grain_rows(2 * n), [&](int64_t begin, int64_t end) {
     std::vector<float> g(n), u(n);
     for (int64_t r = begin; r < end; ++r) {
-      load_row(gp + r * s, g.data(), n);
-      load_row(gp + r * s + n, u.data(), n);
+      minikv_cpu::to_fp32(gp + r * s, g.data(), n);
+      minikv_cpu::to_fp32(gp + r * s + n, u.data(), n);
       for (int64_t i = 0; i < n; i += Vec::size()) {  // ATen's silu: x / (1 + exp(-x)), then * up
         const int64_t c = std::min<int64_t>(Vec::size(), n - i);  // the tail as a partial vector, as ATen does
         Vec x = Vec::loadu(g.data() + i, c);

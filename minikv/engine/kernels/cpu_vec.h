@@ -1,0 +1,35 @@
+// What minikv's CPU kernels share: ATen's vector types at this build's width, and fp32 rows.
+//
+// ATen's vector types pick their width from CPU_CAPABILITY_*; set it from what this build's
+// -march allows, so Vec below is 16 (AVX-512) or 8 (AVX2) floats and exp() runs that many lanes at
+// once through Sleef, the same code ATen's own kernels of that capability run.
+#pragma once
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+#define CPU_CAPABILITY_AVX512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define CPU_CAPABILITY_AVX2
+#endif
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace minikv_cpu {
+
+using Vec = at::vec::Vectorized<float>;
+
+// n values as fp32 in dst: fp32 is copied; bf16 is widened (bf16 is the top half of an fp32, so
+// widening is a 16-bit shift, which the compiler vectorizes).  Kernels compute in fp32 either way.
+inline void to_fp32(const float* src, float* dst, int64_t n) { std::copy(src, src + n, dst); }
+inline void to_fp32(const at::BFloat16* src, float* dst, int64_t n) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
+}
+
+}  // namespace minikv_cpu

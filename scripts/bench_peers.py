@@ -54,9 +54,7 @@ class Side:
         """Round ``r``: seconds of one throughput run, one prefix hit and one miss."""
         w = self.work
         self.reset()
-        t0 = time.perf_counter()
-        self.generate(w["prompts"], w["max_tokens"])
-        throughput_s = time.perf_counter() - t0
+        throughput_s = _timed(lambda: self.generate(w["prompts"], w["max_tokens"]))
         system, questions = w["system"], w["questions"]
         self.generate([system + questions[0]], 1)  # primes the cache with the system prompt
         hit_s = _timed(lambda: self.generate([system + questions[1 + r]], 1))

@@ -3,21 +3,23 @@
 // Why: both are a few arithmetic operations per element, so their cost is how often the data
 // crosses memory and how many ops are dispatched.  PyTorch runs `F.rms_norm` as five ops (pow,
 // mean, add, rsqrt, mul, each writing a temporary) and SwiGLU as two (silu, then mul) on a
-// strided half of the gate_up matmul's output.  Profiled on the 2-core CPU (issue 11), those
-// were about 14% of an fp32 prefill of the benchmark's prompts and ~110 us per rms_norm call on
-// a 28-row prefix hit, where the arithmetic itself takes a few microseconds.  Here each row is
-// read once and written once, by one op.
+// strided half of the gate_up matmul's output.  On a 28-row prefix hit an rms_norm call took
+// ~110 us (profiled on the 2-core CPU, issue 11), where the arithmetic takes a few microseconds.
+// Here each row is read once and written once, by one op.  What that bought, measured side by
+// side: fp32 prefix-hit TTFT 114 vs 124 ms (median of 8); on a large fp32 prefill nothing
+// measurable (an fp32 row is read in place; only bf16 rows are widened into scratch).
 //
 // Arithmetic, and why it is the same as PyTorch's:
 //   rms_norm(x, w, eps) = w * to_dtype(x * rsqrt(mean(x^2) + eps)), the mean and the product
 //     in fp32 whatever the dtype (transformers' LlamaRMSNorm).  The sum of squares is taken in
 //     another order than ATen's reduction, so results differ from F.rms_norm in the last bits:
 //     minikv uses this kernel only where a step is not held to transformers' exact rounding
-//     (see matmuls.py), like its packed matmuls.
+//     (attention_fused._norm), like its packed matmuls.
 //   silu_mul(gate_up) = silu(gate) * up for gate_up = [gate | up] along the last dim, silu(g)
 //     = g / (1 + exp(-g)) with ATen's own vectorized exp (Sleef), which is how ATen's silu
 //     kernel computes it: fp32 results are bit for bit those of F.silu(gate) * up
-//     (tests/test_pointwise_kernels.py checks it), so this one is used on every step.
+//     (tests/test_pointwise_kernels.py checks it), so it runs on exact steps too: every step
+//     whose matmuls are dense (packed ones apply SwiGLU inside the matmul, matmuls.py).
 //
 // Layout contract (checked below): inputs are 2-D [rows, n] with a contiguous last dim (any row
 // stride: gate_up's halves and qkv views qualify); outputs are new contiguous tensors.
@@ -36,6 +38,14 @@ constexpr int64_t kGrainElements = 16384;
 
 inline int64_t grain_rows(int64_t n) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(n, 1)); }
 
+// Row r of an fp32 tensor as fp32: the row itself, read in place.  Of a bf16 one: widened into
+// `scratch` (the kernels compute in fp32 either way), so only bf16 pays a copy.
+inline const float* fp32_row(const float* src, std::vector<float>&, int64_t) { return src; }
+inline const float* fp32_row(const at::BFloat16* src, std::vector<float>& scratch, int64_t n) {
+  minikv_cpu::to_fp32(src, scratch.data(), n);
+  return scratch.data();
+}
+
 template <typename T>
 void rms_norm_kernel(const at::Tensor& x, const at::Tensor& w, double eps, at::Tensor& y) {
   const int64_t rows = x.size(0), n = x.size(1), xs = x.stride(0);
@@ -43,15 +53,15 @@ void rms_norm_kernel(const at::Tensor& x, const at::Tensor& w, double eps, at::T
   const T* wp = w.data_ptr<T>();
   T* yp = y.data_ptr<T>();
   at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
-    std::vector<float> row(n), weight(n);
-    minikv_cpu::to_fp32(wp, weight.data(), n);
+    std::vector<float> row_scratch(std::is_same_v<T, float> ? 0 : n), weight_scratch(std::is_same_v<T, float> ? 0 : n);
+    const float* weight = fp32_row(wp, weight_scratch, n);
     for (int64_t r = begin; r < end; ++r) {
-      minikv_cpu::to_fp32(xp + r * xs, row.data(), n);
+      const float* row = fp32_row(xp + r * xs, row_scratch, n);
       // 1. mean of squares, in fp32, a vector of partial sums at a time
       Vec acc(0.f);
       int64_t i = 0;
       for (; i + Vec::size() <= n; i += Vec::size()) {
-        Vec v = Vec::loadu(row.data() + i);
+        Vec v = Vec::loadu(row + i);
         acc = at::vec::fmadd(v, v, acc);
       }
       float ss = acc.reduce_add();
@@ -69,25 +79,26 @@ void rms_norm_kernel(const at::Tensor& x, const at::Tensor& w, double eps, at::T
 
 template <typename T>
 void silu_mul_kernel(const at::Tensor& gu, at::Tensor& out) {
+  constexpr bool kFloat = std::is_same_v<T, float>;
   const int64_t rows = gu.size(0), n = gu.size(1) / 2, s = gu.stride(0);
   const T* gp = gu.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const Vec one(1.f);
   at::parallel_for(0, rows, grain_rows(2 * n), [&](int64_t begin, int64_t end) {
-    std::vector<float> g(n), u(n);
+    std::vector<float> scratch(kFloat ? 0 : 2 * n);  // bf16: the row's [gate | up] as fp32, then the result
     for (int64_t r = begin; r < end; ++r) {
-      minikv_cpu::to_fp32(gp + r * s, g.data(), n);
-      minikv_cpu::to_fp32(gp + r * s + n, u.data(), n);
+      const float* g = fp32_row(gp + r * s, scratch, 2 * n);  // gate and up lie side by side in the row
+      const float* u = g + n;
+      // fp32 is written straight into the output; bf16 into the scratch, then rounded
+      float* res = kFloat ? reinterpret_cast<float*>(op + r * n) : scratch.data();
       for (int64_t i = 0; i < n; i += Vec::size()) {  // ATen's silu: x / (1 + exp(-x)), then * up
         const int64_t c = std::min<int64_t>(Vec::size(), n - i);  // the tail as a partial vector, as ATen does
-        Vec x = Vec::loadu(g.data() + i, c);
-        ((x / (one + x.neg().exp())) * Vec::loadu(u.data() + i, c)).store(g.data() + i, c);
+        Vec x = Vec::loadu(g + i, c);
+        ((x / (one + x.neg().exp())) * Vec::loadu(u + i, c)).store(res + i, c);
       }
-      T* o = op + r * n;
-      if constexpr (std::is_same_v<T, float>) {
-        std::copy(g.begin(), g.end(), o);
-      } else {
-        for (int64_t j = 0; j < n; ++j) o[j] = static_cast<T>(g[j]);
+      if constexpr (!kFloat) {
+        T* o = op + r * n;
+        for (int64_t j = 0; j < n; ++j) o[j] = static_cast<T>(res[j]);
       }
     }
   });

@@ -85,7 +85,7 @@ def test_the_engine_packs_when_built_not_mid_request():
     """The fused engine packs its weights when it is built (``matmuls.prepare``), so no request pays
     the reorder: the first prefix hit of SmolLM2 in fp32 took 360 ms against 95 ms for the next
     ones while packing waited for it.  Requests reuse those packs; the reference backend packs nothing."""
-    llm = LLM("tiny-random", device="cpu", dtype="float32")
+    llm = LLM("tiny-random", device="cpu", dtype="float32", attention_backend="fused")
     model = llm.engine.model
     packed, head = model._packed, model._packed_head
     assert packed is not None and len(packed) == model.shape.num_layers and head is not None

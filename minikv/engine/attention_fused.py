@@ -260,7 +260,7 @@ def fused_forward(model, input_ids: torch.Tensor, pool, plan: FusedPlan) -> torc
     # (``matmuls.py``).  Fewer ops per layer, each a Python dispatch on the CPU and a kernel
     # launch on a GPU.
     exact = plan.exact
-    mm = matmuls_for(model, exact, plan.kernels)  # F.linear, or oneDNN-prepacked weights on a CPU
+    mm = matmuls_for(model, exact, plan.kernels, rows=t)  # F.linear, oneDNN-packed or few-row (matmuls.py)
     rms = _norm(model, exact, plan.kernels)
     for i, L in enumerate(model.layers):
         h = rms(x, L.input_norm)

@@ -79,7 +79,7 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
         self.attention_backend = resolve_backend(c.attention_backend, self.device.type, s.head_dim,  # model_runner.FORWARDS
                                                  str(self.dtype).removeprefix("torch."))
         if self.attention_backend in FUSED:  # oneDNN-packed weights on the CPU: packed now, not mid-request
-            prepare_matmuls(self.model)
+            prepare_matmuls(self.model, kernels=self.attention_backend == "paged")
         self.graphs = DecodeGraphRunner.for_engine(self)  # None off CUDA, or with enforce_eager
         self._secret = c.engine_secret or new_engine_secret()  # never logged or returned
         hasher = c.block_hasher if c.block_hasher is not None else make_hasher(c.hash_algo, self._secret)

@@ -1,4 +1,5 @@
-"""The fused forward's matmuls: plain ``F.linear``, or weights prepacked for oneDNN on the CPU.
+"""The fused forward's matmuls: plain ``F.linear``, weights prepacked for oneDNN on the CPU, or
+minikv's own few-row matmul.
 
 A decoder layer has four weight matrices (qkv, o_proj, gate_up, down) and two residual adds.
 :func:`matmuls_for` picks how one step runs them:
@@ -23,15 +24,27 @@ A decoder layer has four weight matrices (qkv, o_proj, gate_up, down) and two re
   kernel reduces in another order than the MKL call transformers makes, so a fresh prefill keeps
   ``F.linear`` and its logits keep matching transformers exactly.  The packed copy costs the memory of the weights
   again (the dense ones stay: prefills in fp32, the reference backend and the embedding use them).
+* :class:`SkinnyMatmuls` -- fp32 steps of at most ``SKINNY_MAX_ROWS`` rows (a decode batch, a
+  prefix hit's new tokens) on the ``paged`` backend, whose C++ kernels include a matmul for few
+  rows (``kernels/skinny_linear.cpp``, AVX-512).  Measured on the 2-core CPU, SmolLM2's 120 layer
+  matmuls in fp32: 16 rows 27-31 ms against 45 ms oneDNN-packed and 51-56 ms dense; 28 rows 33-41
+  against 54 and 63 ms; at 64 rows they are even, so longer steps go back to ``F.linear``.  Its
+  packed copy replaces oneDNN's (the ``paged`` backend never packs fp32 weights for oneDNN).
 
-No compilation is involved: these are eager ATen ops, run one by one like every other op here.
+No compilation is involved: these are eager ops (ATen's, or minikv's registered C++ ops), run one
+by one like every other op here.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from .paged_cpu import silu_mul
+from . import paged_cpu
+from .paged_cpu import silu_mul, skinny_linear
+
+# Steps of at most this many rows run on the few-row matmul (SkinnyMatmuls); past it the matmul
+# libraries are as fast (measured even at 64 rows on the 2-core CPU).
+SKINNY_MAX_ROWS = 48
 
 
 def _packing_available() -> bool:
@@ -111,40 +124,97 @@ class PackedMatmuls:
         return lp.binary(act, x, P.down, P.down_bias, "add")
 
 
-def packs(model, exact: bool) -> bool:
-    """Whether a fused step of ``model`` runs on packed weights: on a CPU with the ops, in bf16,
-    or in fp32 when the step has no fresh prefill (not held to transformers' exact rounding)."""
+class SkinnyLayer:
+    """One layer's weights in the few-row matmul's panels (``paged_cpu.skinny_pack``)."""
+
+    def __init__(self, L):
+        self.qkv, self.o_proj, self.gate_up, self.down = (
+            (paged_cpu.skinny_pack(w), w.shape[0]) for w in (L.qkv, L.o_proj, L.gate_up, L.down))
+        self.qkv_bias, self.o_bias, self.gate_up_bias, self.down_bias = L.qkv_bias, L.o_bias, L.gate_up_bias, L.down_bias
+
+
+class SkinnyMatmuls:
+    """The same three calls on the few-row matmul: residual adds accumulate inside it, SwiGLU is
+    the one-pass ``silu_mul`` between gate_up and down."""
+
+    def __init__(self, layers: list[SkinnyLayer]):
+        self.layers = layers
+
+    def qkv(self, i, h):
+        P = self.layers[i]
+        return _bias(skinny_linear(h, *P.qkv), P.qkv_bias)
+
+    def o_proj(self, i, attn, x):
+        P = self.layers[i]
+        return _bias(skinny_linear(attn, *P.o_proj, out=x), P.o_bias)
+
+    def mlp(self, i, h, x):
+        P = self.layers[i]
+        act = silu_mul(_bias(skinny_linear(h, *P.gate_up), P.gate_up_bias))
+        return _bias(skinny_linear(act, *P.down, out=x), P.down_bias)
+
+
+def _bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y if bias is None else y.add_(bias)
+
+
+def skinny(model, kernels: bool) -> bool:
+    """Whether ``model``'s fp32 steps of few rows run on the few-row matmul: the ``paged``
+    backend's kernels on a CPU, in fp32, built with AVX-512."""
+    return kernels and model.device.type == "cpu" and model.dtype == torch.float32 and \
+        paged_cpu.available() and paged_cpu.skinny_supported()
+
+
+def _skinny_step(model, exact: bool, kernels: bool, rows: int) -> bool:
+    return not exact and rows <= SKINNY_MAX_ROWS and skinny(model, kernels)
+
+
+def packs(model, exact: bool, kernels: bool = False) -> bool:
+    """Whether a fused step of ``model`` runs on oneDNN-packed weights: on a CPU with the ops, in
+    bf16, or in fp32 when the step has no fresh prefill (not held to transformers' exact
+    rounding) and the few-row matmul is not in use (it has its own packed copy)."""
     if model.device.type != "cpu" or not _packing_available():
+        return False
+    if model.dtype == torch.float32 and skinny(model, kernels):
         return False
     return model.dtype == torch.bfloat16 or (model.dtype == torch.float32 and not exact)
 
 
-def logits(model, hidden: torch.Tensor, exact: bool) -> torch.Tensor:
+def logits(model, hidden: torch.Tensor, exact: bool, kernels: bool = False) -> torch.Tensor:
     """``model.logits(hidden)`` (fp32 logits of the rows we sample from), the LM head packed when
     the step's matmuls are: the 49,152-wide head is the largest single matmul of a decode step."""
-    if not packs(model, exact):
+    if _skinny_step(model, exact, kernels, hidden.shape[0]):
+        if getattr(model, "_skinny_head", None) is None:
+            model._skinny_head = (paged_cpu.skinny_pack(model.lm_head), model.lm_head.shape[0])
+        return skinny_linear(hidden, *model._skinny_head)
+    if not packs(model, exact, kernels):
         return model.logits(hidden)
     if getattr(model, "_packed_head", None) is None:
         model._packed_head = torch.ops.mkldnn._reorder_linear_weight(model.lm_head, 16)
     return torch.ops.mkldnn._linear_pointwise(hidden, model._packed_head, None, "none", [], "").float()
 
 
-def prepare(model) -> None:
+def prepare(model, kernels: bool = False) -> None:
     """Pack ``model``'s weights now, if any fused step of it would run on packed ones: the engine
     calls this when it is built, so that the reorder (about 0.3 s for SmolLM2 in fp32 on the 2-core
     CPU) is paid at start-up, as vLLM pays its warm-up, not by the first request to reach a
     decode or a prefix hit (a first prefix-hit TTFT of 360 ms against 95 ms for the next ones,
     measured).  Idempotent; forks sharing the weights share the packs."""
-    if packs(model, exact=False):
-        matmuls_for(model, exact=False)
-        logits(model, model.embed.new_zeros(1, model.shape.hidden_size), exact=False)
+    if packs(model, exact=False, kernels=kernels) or skinny(model, kernels):
+        matmuls_for(model, exact=False, kernels=kernels, rows=1)
+        logits(model, model.embed.new_zeros(1, model.shape.hidden_size), exact=False, kernels=kernels)
 
 
-def matmuls_for(model, exact: bool, kernels: bool = False):
-    """The matmuls of one fused step of ``model`` (packed ones are built on first use and kept
-    on the model, so forks sharing its weights share them too).  ``kernels``: the ``paged``
-    backend's C++ ops may run between them (dense matmuls only: packed ones fuse SwiGLU already)."""
-    if not packs(model, exact):
+def matmuls_for(model, exact: bool, kernels: bool = False, rows: int | None = None):
+    """The matmuls of one fused step of ``model`` over ``rows`` token rows (packed ones are built
+    on first use and kept on the model, so forks sharing its weights share them too).
+    ``kernels``: the ``paged`` backend's C++ ops may run (the few-row matmul; SwiGLU's one-pass op
+    between dense matmuls: oneDNN-packed ones fuse SwiGLU already)."""
+    if rows is not None and _skinny_step(model, exact, kernels, rows):
+        if getattr(model, "_skinny", None) is None:
+            model._skinny = [SkinnyLayer(L) for L in model.layers]
+        return SkinnyMatmuls(model._skinny)
+    if not packs(model, exact, kernels):
         return DenseMatmuls(model, exact, kernels)
     if getattr(model, "_packed", None) is None:
         model._packed = [PackedLayer(L, rows_hint=16) for L in model.layers]

@@ -93,7 +93,7 @@ def run_model(engine, prefills: list[Sequence], decodes: list[Sequence], all_row
     hidden = FORWARDS[backend](engine, input_ids, positions, meta)
     rows = hidden if all_rows else hidden[last_rows]
     if backend in FUSED:  # the LM head too may run on packed weights (matmuls.py)
-        return fused_logits(engine.model, rows, meta.exact)
+        return fused_logits(engine.model, rows, meta.exact, meta.kernels)
     return engine.model.logits(rows)
 
 

@@ -9,7 +9,9 @@ block table inside the kernel.  ``kernels/paged_attention.cpp`` is minikv's vers
 the CPU, about two hundred lines of C++: one task per (sequence, KV head), an online softmax over
 32 keys at a time, fp32 accumulation; read it, it is written to be read.  Beside it,
 ``kernels/pointwise.cpp`` has the two row-wise ops that PyTorch dispatches as several:
-RMSNorm (five ops, four temporaries) and SwiGLU's ``silu(gate) * up`` (two), each one pass here.
+RMSNorm (five ops, four temporaries) and SwiGLU's ``silu(gate) * up`` (two), each one pass here;
+and ``kernels/skinny_linear.cpp`` has a matmul for the few rows of a decode step or a prefix hit
+(1-48 rows, fp32, AVX-512), where the matmul libraries leave most of the CPU idle.
 
 Every ``kernels/*.cpp`` is compiled into one library, so the ``paged`` backend has all of them or
 none.
@@ -151,6 +153,31 @@ def silu_mul(gate_up):
     import torch
 
     return torch.ops.minikv.silu_mul(gate_up)
+
+
+def skinny_supported() -> bool:
+    """Whether the loaded library has the few-row matmul (it needs AVX-512; load it first)."""
+    import torch
+
+    return bool(torch.ops.minikv.skinny_linear_supported())
+
+
+def skinny_pack(w):
+    """``w`` ([N, K] fp32, ``nn.Linear``'s layout) in the few-row matmul's panels of 32 columns."""
+    import torch
+
+    return torch.ops.minikv.skinny_pack(w)
+
+
+def skinny_linear(x, packed, n: int, out=None):
+    """``x @ w.T`` for ``packed = skinny_pack(w)`` with ``n = w.shape[0]``; with ``out``
+    ([rows, n], contiguous) the product is *added* to ``out`` in place (a residual add inside
+    the matmul) and ``out`` returned."""
+    import torch
+
+    if out is None:
+        return torch.ops.minikv.skinny_linear(x, packed, n)
+    return torch.ops.minikv.skinny_linear_add_(out, x, packed)
 
 
 def head_dims() -> tuple[int, ...]:

@@ -1,0 +1,186 @@
+"""minikv's few-row matmul (``minikv/engine/kernels/skinny_linear.cpp``) and where the engine uses it.
+
+What it is held to:
+
+* **the product**: ``x @ W.T`` within fp32's own accumulation bound (K roundings of the
+  magnitudes summed, against a float64 reference) for row counts on and off the 14-row
+  microkernel (1, 13, 14, 15, 28, 48), widths on and off the 32-column panel (1, 31, 32, 33, 960)
+  and depths down to 1; with ``out`` the product is added in place (a residual add);
+* **the packing**: panel ``p`` holds ``W[32p + j, k]`` at ``[p, k, j]``, zeros past ``N``;
+* **batch invariance**: a row's result is bit for bit the same whichever rows share the call,
+  in whatever order (a decode's logits never depend on its neighbours' matmuls);
+* **bad input**: a ``RuntimeError`` naming the bad shape, dtype or count;
+* **in the engine**: fp32 decode and prefix-hit steps of at most ``SKINNY_MAX_ROWS`` rows run on
+  it on the ``paged`` backend (counted by op name); fresh prefills (transformers' exact
+  rounding), longer steps, bf16 and the ``fused`` backend do not; without AVX-512 the engine
+  falls back to oneDNN's packed kernel.  Logit agreement with the reference backend is held by
+  test_attention_fused.py and test_engine_correctness.py, which run ``paged``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import profile
+
+from minikv import LLM, SamplingParams
+from minikv.engine import matmuls, paged_cpu
+from minikv.engine.matmuls import SKINNY_MAX_ROWS, DenseMatmuls, PackedMatmuls, SkinnyMatmuls, matmuls_for
+from tests.paged_kernel import KERNEL_BUILT
+
+SKINNY = KERNEL_BUILT and paged_cpu.skinny_supported()
+pytestmark = pytest.mark.skipif(not SKINNY, reason="minikv's CPU kernels are not built, or this CPU has no AVX-512")
+
+
+def _operands(m, n, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / k ** 0.5
+
+
+def _assert_within_fp32_bound(got, x, w, base=None):
+    """|got - exact| <= (K + 2) * 2^-24 * (|x| @ |W|.T + |base|): the textbook bound for a sum
+    of K products in fp32, fused or not.  A wrong element (a transposed or misplaced panel, a
+    skipped row or column) is off by the size of the products, far above it."""
+    exact = x.double() @ w.double().T
+    scale = x.double().abs() @ w.double().abs().T
+    if base is not None:
+        exact, scale = exact + base.double(), scale + base.double().abs()
+    bound = (x.shape[1] + 2) * 2.0 ** -24 * scale + 1e-30
+    worst = ((got.double() - exact).abs() / bound).max().item()
+    assert worst <= 1.0, f"error {worst:.2f}x the fp32 bound"
+
+
+@pytest.mark.parametrize("m", [1, 13, 14, 15, 28, 48])
+@pytest.mark.parametrize("n,k", [(1, 1), (31, 17), (32, 64), (33, 576), (960, 576), (576, 1536)])
+def test_the_product_matches_float64(m, n, k):
+    x, w = _operands(m, n, k, seed=m * 7919 + n * 31 + k)
+    got = paged_cpu.skinny_linear(x, paged_cpu.skinny_pack(w), n)
+    assert got.shape == (m, n) and got.dtype == torch.float32 and got.is_contiguous()
+    _assert_within_fp32_bound(got, x, w)
+
+
+@pytest.mark.parametrize("m,n,k", [(5, 40, 24), (28, 576, 1536)])
+def test_out_accumulates_in_place(m, n, k):
+    x, w = _operands(m, n, k, seed=3)
+    base = torch.randn(m, n, generator=torch.Generator().manual_seed(4)) * 10
+    out = base.clone()
+    got = paged_cpu.skinny_linear(x, paged_cpu.skinny_pack(w), n, out=out)
+    assert got.data_ptr() == out.data_ptr()  # the residual stream itself, no new tensor
+    _assert_within_fp32_bound(out, x, w, base)
+
+
+def test_a_strided_view_is_read_as_its_values():
+    wide, w = _operands(6, 50, 2 * 40, seed=8)
+    x = wide[:, 40:]  # row stride 80: what a slice of a larger activation looks like
+    w = w[:, :40].contiguous()
+    got = paged_cpu.skinny_linear(x, paged_cpu.skinny_pack(w), 50)
+    assert torch.equal(got, paged_cpu.skinny_linear(x.contiguous(), paged_cpu.skinny_pack(w), 50))
+    _assert_within_fp32_bound(got, x, w)
+
+
+def test_the_panel_layout():
+    w = torch.arange(70 * 3, dtype=torch.float32).view(70, 3) + 1  # no zeros of its own
+    p = paged_cpu.skinny_pack(w)
+    assert p.shape == (3, 3, 32)
+    for n in range(70):
+        assert torch.equal(p[n // 32, :, n % 32], w[n]), n
+    assert (p[2, :, 70 - 64:] == 0).all()  # the last panel's 26 missing columns
+
+
+def test_a_rows_result_does_not_depend_on_its_neighbours():
+    x, w = _operands(SKINNY_MAX_ROWS, 200, 96, seed=11)
+    packed = paged_cpu.skinny_pack(w)
+    whole = paged_cpu.skinny_linear(x, packed, 200)
+    perm = torch.randperm(SKINNY_MAX_ROWS, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(paged_cpu.skinny_linear(x[perm], packed, 200), whole[perm])
+    for i in (0, 13, 14, 27, SKINNY_MAX_ROWS - 1):  # alone, and at every place in a 14-row block
+        assert torch.equal(paged_cpu.skinny_linear(x[i:i + 1], packed, 200), whole[i:i + 1]), i
+
+
+_W = torch.randn(40, 24)
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: paged_cpu.skinny_pack(torch.randn(40)), "weights must be non-empty 2-D fp32 [N, K], got [40]"),
+    (lambda: paged_cpu.skinny_pack(_W.bfloat16()), "got [40, 24] BFloat16"),
+    (lambda: paged_cpu.skinny_linear(torch.randn(3, 24).bfloat16(), paged_cpu.skinny_pack(_W), 40), "x must be 2-D fp32"),
+    (lambda: paged_cpu.skinny_linear(torch.randn(3, 2, 24), paged_cpu.skinny_pack(_W), 40), "got [3, 2, 24]"),
+    (lambda: paged_cpu.skinny_linear(torch.randn(3, 25), paged_cpu.skinny_pack(_W), 40), "x has K=25 columns but the weights have K=24"),
+    (lambda: paged_cpu.skinny_linear(torch.randn(3, 24), paged_cpu.skinny_pack(_W), 65), "n=65 output columns do not fit 2 panels"),
+    (lambda: paged_cpu.skinny_linear(torch.randn(3, 24), paged_cpu.skinny_pack(_W), 32), "n=32 output columns do not fit 2 panels"),
+    (lambda: paged_cpu.skinny_linear(torch.randn(0, 24), paged_cpu.skinny_pack(_W), 40), "rows=0 outside"),
+    (lambda: paged_cpu.skinny_linear(torch.randn(3, 24), _W, 40), "packed weights must be skinny_pack's"),
+    (lambda: paged_cpu.skinny_linear(torch.randn(3, 24), paged_cpu.skinny_pack(_W), 40, out=torch.zeros(4, 40)), "out has 4 rows but x has 3"),
+    (lambda: paged_cpu.skinny_linear(torch.randn(3, 24), paged_cpu.skinny_pack(_W), 40, out=torch.zeros(40, 3).t()), "out must be contiguous"),
+])
+def test_bad_input_is_refused_with_the_value_named(call, message):
+    with pytest.raises(RuntimeError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        call()
+
+
+def _op_counts(eng, steps: int, outputs: list | None = None) -> list[dict[str, int]]:
+    """Ops dispatched by each of the engine's next ``steps`` steps (their outputs into ``outputs``)."""
+    counts = []
+    for _ in range(steps):
+        with profile() as p:
+            out = eng.step()
+        if outputs is not None:
+            outputs.extend(out)
+        c: dict[str, int] = {}
+        for e in p.events():
+            c[e.name] = c.get(e.name, 0) + 1
+        counts.append(c)
+    return counts
+
+
+def test_the_paged_backend_runs_it_on_decodes_and_prefix_hits_only():
+    llm = LLM("tiny-random", dtype="float32", attention_backend="paged", enable_prefix_caching=True, num_blocks=128)
+    eng, layers = llm.engine, llm.engine.model.shape.num_layers
+    p = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    prompt = list(range(5, 69))  # 64 tokens: 4 blocks of 16
+    eng.add_request("a", prompt, p)
+    fresh, decode = _op_counts(eng, 2)
+    assert "minikv::skinny_linear" not in fresh, "a fresh fp32 prefill keeps transformers' exact matmuls"
+    # a decode step: qkv and gate_up per layer, and the LM head; o_proj and down add onto the residual
+    assert decode.get("minikv::skinny_linear") == 2 * layers + 1, decode
+    assert decode.get("minikv::skinny_linear_add_") == 2 * layers, decode
+    assert not {"aten::linear", "aten::addmm", "aten::mm", "mkldnn::_linear_pointwise"} & set(decode), decode
+    eng.add_request("b", prompt[:48] + [200, 201, 202, 203, 204, 205, 206], p)  # 48 cached, 7 new rows
+    outs = []
+    (hit,) = _op_counts(eng, 1, outs)
+    assert [o.num_cached_tokens for o in outs if o.request_id == "b"] == [48]
+    assert hit.get("minikv::skinny_linear") == 2 * layers + 1, hit
+    while eng.has_unfinished_requests():
+        eng.step()
+    long_hit = prompt[:16] + list(range(100, 100 + SKINNY_MAX_ROWS + 1))  # 16 cached, 49 new rows
+    eng.add_request("c", long_hit, p)
+    outs = []
+    (long,) = _op_counts(eng, 1, outs)
+    assert [o.num_cached_tokens for o in outs if o.request_id == "c"] == [16]
+    # past SKINNY_MAX_ROWS the layers' matmuls go back to the libraries; the LM head still has one row
+    assert long.get("minikv::skinny_linear") == 1 and "minikv::skinny_linear_add_" not in long, long
+    assert long.get("aten::linear", 0) + long.get("aten::addmm", 0) >= 4 * layers, long
+
+
+def test_which_steps_it_serves():
+    fp32 = LLM("tiny-random", dtype="float32", attention_backend="paged").engine.model
+    bf16 = LLM("tiny-random", dtype="bfloat16", attention_backend="paged").engine.model
+    # built with the engine, and no second (oneDNN) copy of the fp32 weights
+    assert fp32._skinny is not None and fp32._skinny_head is not None and getattr(fp32, "_packed", None) is None
+    assert isinstance(matmuls_for(fp32, exact=False, kernels=True, rows=1), SkinnyMatmuls)
+    assert isinstance(matmuls_for(fp32, exact=False, kernels=True, rows=SKINNY_MAX_ROWS), SkinnyMatmuls)
+    assert isinstance(matmuls_for(fp32, exact=False, kernels=True, rows=SKINNY_MAX_ROWS + 1), DenseMatmuls)
+    assert isinstance(matmuls_for(fp32, exact=True, kernels=True, rows=5), DenseMatmuls)
+    assert not isinstance(matmuls_for(fp32, exact=False, kernels=False, rows=5), SkinnyMatmuls)  # "fused": pure PyTorch
+    assert not isinstance(matmuls_for(bf16, exact=False, kernels=True, rows=5), SkinnyMatmuls)
+    assert fp32._skinny is matmuls_for(fp32, exact=False, kernels=True, rows=3).layers  # packed once
+
+
+def test_without_avx512_the_engine_falls_back(monkeypatch):
+    monkeypatch.setattr(paged_cpu, "skinny_supported", lambda: False)
+    llm = LLM("tiny-random", dtype="float32", attention_backend="paged")
+    model = llm.engine.model
+    assert getattr(model, "_skinny", None) is None
+    want = PackedMatmuls if matmuls._packing_available() else DenseMatmuls
+    assert isinstance(matmuls_for(model, exact=False, kernels=True, rows=4), want)
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3

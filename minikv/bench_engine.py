@@ -212,7 +212,7 @@ def prefill_efficiency(llm, n=16, seed=0, repeats=2) -> dict:
 
 
 def _is_op(name: str) -> bool:
-    """A dispatched operator: ATen's, oneDNN's packed matmuls (``matmuls.PackedMatmuls``) or minikv's kernel (``paged_cpu.py``)."""
+    """A dispatched operator: ATen's, oneDNN's packed matmuls (``matmuls.PackedMatmuls``) or minikv's C++ ops (``paged_cpu.py``: attention, norms, the few-row matmul)."""
     return name.startswith(("aten::", "mkldnn::", "minikv::"))
 
 

@@ -387,9 +387,12 @@ def test_serve_flag_turns_the_quota_off_explicitly():
         build_parser().parse_args(["serve", "--model", "m", "--api-keys", "k", "--max-cached-blocks-per-tenant", "0"])
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")
 def test_one_engine_is_served_by_one_runner_at_a_time(tiny_path):
     """Two live apps on one LLM would both step its engine (each runner wakes on the other's
-    work): the second is refused at start, with the reason; once the first stops, it may serve."""
+    work): the second is refused at start, with the reason; once the first stops, it may serve.
+    The refused server's thread ends quietly (uvicorn's start-up ``sys.exit(3)`` is not an
+    unhandled exception in a thread: the reason reaches the caller in the RuntimeError)."""
     llm = LLM(tiny_path, enable_prefix_caching=True)
     keys = {"sk-alice": "alice"}
     first = BackgroundServer(create_app(llm, keys, model_name="tiny-random")).start()

@@ -58,7 +58,7 @@ class BackgroundServer:
         config = uvicorn.Config(self.app, log_config=None, log_level=self.log_level,
                                 access_log=self.access_log, lifespan="on", timeout_graceful_shutdown=5)
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
+        self._thread = threading.Thread(target=_run_quietly, args=(self._server, sock),
                                         name="minikv-uvicorn", daemon=True)
         errors = _ErrorRecorder()  # why start-up failed, when it does (uvicorn only logs it)
         logging.getLogger("uvicorn.error").addHandler(errors)
@@ -90,6 +90,17 @@ class BackgroundServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _run_quietly(server, sock: socket.socket) -> None:
+    """``server.run`` in the server thread.  When start-up fails (the app's lifespan refused, say),
+    uvicorn calls ``sys.exit(3)``: written for a process of its own, in a thread that only ends the
+    thread, with an "unhandled exception in thread" report on the way.  ``start()`` already turns
+    the failure into a ``RuntimeError`` carrying the reason, so the exit is taken as the thread's end."""
+    try:
+        server.run(sockets=[sock])
+    except SystemExit:
+        pass
 
 
 class _ErrorRecorder(logging.Handler):

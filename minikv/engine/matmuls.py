@@ -27,8 +27,9 @@ A decoder layer has four weight matrices (qkv, o_proj, gate_up, down) and two re
 * :class:`SkinnyMatmuls` -- fp32 steps of at most ``SKINNY_MAX_ROWS`` rows (a decode batch, a
   prefix hit's new tokens) on the ``paged`` backend, whose C++ kernels include a matmul for few
   rows (``kernels/skinny_linear.cpp``, AVX-512).  Measured on the 2-core CPU, SmolLM2's 120 layer
-  matmuls in fp32: 16 rows 27-31 ms against 45 ms oneDNN-packed and 51-56 ms dense; 28 rows 33-41
-  against 54 and 63 ms; at 64 rows they are even, so longer steps go back to ``F.linear``.  Its
+  matmuls in fp32, interleaved, medians of two runs: 16 rows 34.4 and 33.2 ms against 44.5 and 46.9
+  oneDNN-packed and 59.0 and 59.6 dense; 28 rows 47.2 and 40.8 against 61.5 and 53.1 and 72.8 and
+  61.8 (the kernel's header has the table).  Longer steps go back to ``F.linear``.  Its
   packed copy replaces oneDNN's (the ``paged`` backend never packs fp32 weights for oneDNN).
 
 No compilation is involved: these are eager ops (ATen's, or minikv's registered C++ ops), run one
@@ -42,8 +43,9 @@ import torch.nn.functional as F
 from . import paged_cpu
 from .paged_cpu import silu_mul, skinny_linear
 
-# Steps of at most this many rows run on the few-row matmul (SkinnyMatmuls); past it the matmul
-# libraries are as fast (measured even at 64 rows on the 2-core CPU).
+# Steps of at most this many rows run on the few-row matmul (SkinnyMatmuls); past it, F.linear.  Set
+# where a first, noisy measurement had the libraries level at 64 rows; interleaved runs later put
+# the kernel still ~10% ahead there (kernels/skinny_linear.cpp), so the bound is conservative.
 SKINNY_MAX_ROWS = 48
 
 

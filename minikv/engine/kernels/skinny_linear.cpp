@@ -3,11 +3,15 @@
 // Why: a decode step multiplies 16 rows by every weight matrix of the model; a prefix hit, the
 // 28 uncached rows of a prompt.  Matmul libraries are tuned for large products, and at these
 // sizes leave most of the CPU idle.  Measured on the 2-core CPU (SmolLM2's 120 layer matmuls in
-// fp32, one pass over all of them, median of 7): 16 rows took 51-56 ms through `F.linear` and 45
-// ms through oneDNN's prepacked kernel; 28 rows 63 and 54 ms.  One row through every weight (the
-// floor: SmolLM2 is 424 MB of fp32 layer weights, read from memory once) takes 18-22 ms.  This
-// kernel: 16 rows 27-31 ms, 28 rows 33-41 ms.  Above ~48 rows the libraries catch up (64 rows:
-// about even) and minikv hands the product back to them (matmuls.py).
+// fp32, one pass over all of them; the three ways interleaved, medians of 7, two runs):
+//   rows   this kernel    oneDNN prepacked   F.linear
+//     16   34.4 / 33.2    44.5 / 46.9        59.0 / 59.6 ms
+//     28   47.2 / 40.8    61.5 / 53.1        72.8 / 61.8 ms
+//     48   67.9 / 64.7    89.2 / 79.3        88.1 / 83.1 ms
+//     64   85.9 / 78.7    98.6 / 91.6        93.3 / 90.4 ms
+// One row through every weight (the floor: SmolLM2 is 424 MB of fp32 layer weights, read from
+// memory once) takes 21-22 ms here.  The engine uses this kernel up to 48 rows (matmuls.py), a
+// bound set where an earlier, noisier measurement had the libraries level at 64 rows.
 //
 // How, in three ideas (the classic "register-blocked GEMM microkernel", which BLIS popularised):
 //

@@ -1,4 +1,4 @@
-"""minikv's row-wise C++ kernels (``minikv/engine/kernels/pointwise.cpp``): RMSNorm and SwiGLU.
+"""minikv's row-wise C++ kernels (``minikv/engine/kernels/pointwise.cpp``): RMSNorm, SwiGLU, RoPE.
 
 What they are held to:
 
@@ -10,6 +10,9 @@ What they are held to:
 * **SwiGLU**: in fp32, bit for bit ``F.silu(gate) * up`` for widths that are a whole number of
   vectors (every common model; SmolLM2's 1536): the engine runs it on steps held to
   transformers' exact rounding.  Other widths and bf16: within the dtype's rounding;
+* **RoPE** (``rope_``): in fp32, bit for bit the fused forward's ATen ops (roll, two multiplies,
+  one add) on the rotated heads, at head dims that take the vector path and ones that do not,
+  on a strided qkv view; the heads past ``heads`` (v) are untouched;
 * **bad input**: a ``RuntimeError`` naming the bad shape, dtype or value;
 * **in the engine**: the ``paged`` backend runs them (counted by op name) and still matches the
   reference backend (the engine-level logit tests in test_attention_fused.py and
@@ -33,6 +36,20 @@ def rms_norm(x, w, eps):
 
 def silu_mul(gate_up):
     return torch.ops.minikv.silu_mul(gate_up)
+
+
+def rope_(qkv, cos, sin, heads):
+    return torch.ops.minikv.rope_(qkv, cos, sin, heads)
+
+
+def _rope_tables(tokens, dim, seed):
+    """cos and sin [T, 1, D] at scattered positions, rotate-half's sign folded into sin (as
+    ``attention_fused.build_plan`` makes them)."""
+    pos = torch.randperm(4 * tokens, generator=torch.Generator().manual_seed(seed))[:tokens].float()
+    inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
+    emb = torch.cat([pos[:, None] * inv] * 2, dim=-1)
+    sign = torch.cat([-torch.ones(dim // 2), torch.ones(dim // 2)])
+    return emb.cos()[:, None], (emb.sin() * sign)[:, None]
 
 
 def _rms_reference(x, w, eps):
@@ -87,7 +104,43 @@ def test_silu_mul_other_widths_and_bf16_are_within_rounding(dtype, n):
     assert torch.allclose(out.double(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("tokens,heads_total,heads,dim", [
+    (300, 15, 12, 64),  # SmolLM2's q, k, v heads: q and k rotate, v does not
+    (1, 15, 12, 64), (28, 6, 6, 128), (7, 5, 3, 10), (9, 4, 2, 48)])  # 10, 48: halves off the vector width
+def test_rope_is_atens_ops_bit_for_bit_in_fp32(tokens, heads_total, heads, dim):
+    g = torch.Generator().manual_seed(tokens * 7 + dim)
+    wide = torch.randn(tokens, heads_total * dim + 32, generator=g) * 3
+    qkv = wide[:, 32:].view(tokens, heads_total, dim)  # a view with a row stride, like the matmul's output
+    cos, sin = _rope_tables(tokens, dim, tokens)
+    expected = qkv.clone()
+    qk = expected[:, :heads]  # the fused forward's exact branch, in ATen
+    rot = qk.roll(dim // 2, -1).mul_(sin)
+    qk.mul_(cos).add_(rot)
+    untouched = wide[:, :32].clone()
+    assert rope_(qkv, cos, sin, heads) is qkv
+    assert torch.equal(qkv, expected)
+    assert torch.equal(wide[:, :32], untouched)  # nothing written outside the view
+
+
+def test_rope_is_a_rotation():
+    """Each pair (x_d, x_{d + D/2}) turns by its angle: norms are kept, and position 0 is the identity."""
+    qkv = torch.randn(5, 3, 64)
+    cos, sin = _rope_tables(5, 64, 0)
+    cos[0], sin[0] = 1.0, 0.0
+    out = rope_(qkv.clone(), cos, sin, 3)
+    assert torch.equal(out[0], qkv[0])
+    pair = lambda x: x[..., :32].pow(2) + x[..., 32:].pow(2)
+    assert torch.allclose(pair(out), pair(qkv), rtol=1e-5)
+
+
 @pytest.mark.parametrize("call,message", [
+    (lambda: rope_(torch.randn(4, 3, 8).double(), *_rope_tables(4, 8, 0), 2), "qkv must be fp32 [tokens, heads, head_dim]"),
+    (lambda: rope_(torch.randn(4, 8, 3).transpose(1, 2), *_rope_tables(4, 8, 0), 2), "with a contiguous last dim"),
+    (lambda: rope_(torch.randn(4, 3, 7), torch.ones(4, 1, 7), torch.ones(4, 1, 7), 2), "head_dim must be even, got 7"),
+    (lambda: rope_(torch.randn(4, 3, 8), *_rope_tables(4, 8, 0), 4), "heads=4 outside [0, 3]"),
+    (lambda: rope_(torch.randn(4, 3, 8), *_rope_tables(5, 8, 0), 2), "must be contiguous fp32 [4, 1, 8] tables .one row per token., got [5, 1, 8] Float"),
+    (lambda: rope_(torch.randn(4, 3, 8), torch.ones(4, 1, 8).half(), torch.ones(4, 1, 8), 2), "must be contiguous fp32 [4, 1, 8]"),
+
     (lambda: rms_norm(torch.randn(576), torch.ones(576), 1e-5), "x must be 2-D [rows, n]"),
     (lambda: rms_norm(torch.randn(4, 576).t(), torch.ones(4), 1e-5), "with a contiguous last dim"),
     (lambda: rms_norm(torch.randn(4, 576), torch.ones(575), 1e-5), "weight must be a contiguous [576]"),
@@ -133,4 +186,7 @@ def test_the_paged_backend_runs_them_and_the_fused_backend_does_not():
     assert pre.get("minikv::silu_mul") == layers and "aten::silu" not in pre, pre
     assert pre.get("aten::rms_norm") == 2 * layers + 1  # an exact fp32 step keeps ATen's norm
     assert dec.get("minikv::rms_norm") == 2 * layers + 1 and "aten::rms_norm" not in dec, dec
+    for c in (pre, dec):  # RoPE: one op per layer in fp32, where ATen needs a roll, multiplies and an add
+        assert c.get("minikv::rope_") == layers and "aten::roll" not in c, c
+    assert fpre.get("aten::roll") == layers and fdec.get("aten::roll") == layers
     assert not any(k.startswith("minikv::") for k in (*fpre, *fdec))

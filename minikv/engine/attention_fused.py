@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from .matmuls import matmuls_for
-from .paged_cpu import paged_decode, rms_norm as kernel_rms_norm
+from .paged_cpu import paged_decode, rms_norm as kernel_rms_norm, rope_ as kernel_rope_
 
 # A prefix-hit group is split into one group per sequence when padding it to its longest member
 # would more than double the query rows (one 4,000-token tail among short ones, say).
@@ -86,6 +86,7 @@ class FusedPlan:
     groups: list[Group]
     exact: bool = True  # a fresh prefill is in the step: keep transformers' op order (see fused_forward)
     kernels: bool = False  # the "paged" backend: minikv's C++ CPU kernels (paged_cpu.py) where they apply
+    rope_kernel: bool = False  # RoPE by minikv's one-pass op (fp32 kernels): cos/sin stay [T, 1, head_dim]
 
 
 def to_device(values, dtype, device) -> torch.Tensor:
@@ -158,7 +159,9 @@ def build_plan(model, positions: torch.Tensor, slots: torch.Tensor, prefills: li
     # Only a fresh prefill is held to transformers' exact rounding (its logits, and ``score``'s, match
     # bit for bit); prefix-hit prefills and decodes reduce in another order anyway (2e-4).
     exact = any(p[1] == p[2] for p in prefills)
-    if not exact:  # tables over q, k *and* v heads (v: cos 1, sin 0), so one fused op ropes them all
+    # minikv's RoPE op rotates q and k in place in one pass, bit for bit ATen's ops (pointwise.cpp)
+    rope_kernel = paged and dtype == torch.float32
+    if not exact and not rope_kernel:  # tables over q, k *and* v heads (v: cos 1, sin 0), so one fused op ropes them all
         qk, t = s.num_heads + s.num_kv_heads, positions.shape[0]
         cos = torch.cat([cos.expand(t, qk, -1), cos.new_ones(t, s.num_kv_heads, s.head_dim)], dim=1)
         sin = torch.cat([sin.expand(t, qk, -1), sin.new_zeros(t, s.num_kv_heads, s.head_dim)], dim=1)
@@ -176,7 +179,7 @@ def build_plan(model, positions: torch.Tensor, slots: torch.Tensor, prefills: li
             groups.append(_group(kind, [p[0] for p in c], [p[1] for p in c], [p[2] for p in c], [p[3] for p in c], **kw))
     for c in ([decodes] if paged and decodes else _split_decodes(decodes, block_size)):
         groups.append(_group("paged" if paged else "decode", [d[0] for d in c], [1] * len(c), [d[1] for d in c], [d[2] for d in c], **kw))
-    return FusedPlan(slots, cos, sin, groups, exact=exact, kernels=paged)
+    return FusedPlan(slots, cos, sin, groups, exact=exact, kernels=paged, rope_kernel=rope_kernel)
 
 
 def _split_decodes(decodes: list[tuple], block_size: int) -> list[list[tuple]]:
@@ -265,7 +268,9 @@ def fused_forward(model, input_ids: torch.Tensor, pool, plan: FusedPlan) -> torc
     for i, L in enumerate(model.layers):
         h = rms(x, L.input_norm)
         qkv = mm.qkv(i, h).view(t, -1, dim)
-        if exact:  # RoPE on q and k, in place: x * cos + rotate_half(x) * sin, tables broadcast over heads
+        if plan.rope_kernel:  # the same arithmetic as the exact branch below, one pass instead of four ops
+            kernel_rope_(qkv, plan.cos, plan.sin, s.num_heads + s.num_kv_heads)
+        elif exact:  # RoPE on q and k, in place: x * cos + rotate_half(x) * sin, tables broadcast over heads
             qk = qkv[:, : s.num_heads + s.num_kv_heads]
             rot = qk.roll(dim // 2, -1).mul_(plan.sin)
             qk.mul_(plan.cos).add_(rot)

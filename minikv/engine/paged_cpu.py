@@ -73,9 +73,16 @@ def library_path() -> Path | None:
     cxx = _compiler()
     if cxx is None:
         return None
-    parts = [p.read_bytes() for p in SOURCES + HEADERS] + [torch.__version__.encode(), cxx.encode(), _cpu_flags().encode()]
+    parts = [p.read_bytes() for p in SOURCES + HEADERS] + [torch.__version__.encode(), cxx.encode(), _cpu_flags().encode(),
+                                                        " ".join(CXX_FLAGS).encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     return minikv_home() / "kernels" / f"minikv_cpu-{key}.so"
+
+
+# -ffp-contract=off: a multiply and an add written apart stay apart (GCC otherwise fuses them into
+# one FMA, which rounds once instead of twice), so the kernels that promise ATen's bits (RoPE's
+# x * cos + rot * sin) keep them; the matmul and attention kernels ask for FMAs explicitly.
+CXX_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++20")
 
 
 def _command(cxx: str, out: Path) -> list[str]:
@@ -83,7 +90,7 @@ def _command(cxx: str, out: Path) -> list[str]:
     from torch.utils import cpp_extension
 
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)  # must match how torch itself was built
-    return [cxx, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20",
+    return [cxx, *CXX_FLAGS,
             f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w",
             *(f"-I{p}" for p in cpp_extension.include_paths()),
             *(f"-L{p}" for p in cpp_extension.library_paths()),
@@ -155,8 +162,20 @@ def silu_mul(gate_up):
     return torch.ops.minikv.silu_mul(gate_up)
 
 
+def rope_(qkv, cos, sin, heads: int):
+    """Rotary embedding of the first ``heads`` heads of ``qkv`` ([T, heads_total, D], fp32), in
+    place: ``x * cos + roll(x, D/2) * sin`` with ``sin`` carrying rotate-half's sign, bit for bit
+    ATen's four ops (``kernels/pointwise.cpp``); ``cos``/``sin`` are [T, 1, D]."""
+    import torch
+
+    return torch.ops.minikv.rope_(qkv, cos, sin, heads)
+
+
+@functools.lru_cache(maxsize=1)
 def skinny_supported() -> bool:
-    """Whether the loaded library has the few-row matmul (it needs AVX-512; load it first)."""
+    """Whether the loaded library has the few-row matmul (it needs AVX-512; load it first).
+    Cached: the answer is fixed when the library is compiled, and ``matmuls`` asks on every step
+    (uncached, the dispatcher op ran twice per decode step: the 485th of 485 ops)."""
     import torch
 
     return bool(torch.ops.minikv.skinny_linear_supported())

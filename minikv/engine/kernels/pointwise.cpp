@@ -1,4 +1,5 @@
-// minikv's row-wise kernels for the CPU: RMSNorm, and SwiGLU's silu(gate) * up, each one pass.
+// minikv's row-wise kernels for the CPU: RMSNorm, SwiGLU's silu(gate) * up and rotary position
+// embedding (RoPE), each one pass.
 //
 // Why: both are a few arithmetic operations per element, so their cost is how often the data
 // crosses memory and how many ops are dispatched.  PyTorch runs `F.rms_norm` as five ops (pow,
@@ -20,6 +21,14 @@
 //     kernel computes it: fp32 results are bit for bit those of F.silu(gate) * up
 //     (tests/test_pointwise_kernels.py checks it), so it runs on exact steps too: every step
 //     whose matmuls are dense (packed ones apply SwiGLU inside the matmul, matmuls.py).
+//   rope_(qkv, cos, sin, heads) rotates the first `heads` heads of qkv [T, heads_total, D] in
+//     place: x * cos + rotate_half(x) * sin, rotate_half's sign folded into the sine table (so
+//     rotate_half(x) is x rolled by D/2), two products then one sum, each rounded to fp32, the
+//     order of transformers' `q * cos + rotate_half(q) * sin`.  ATen needs four ops for it (the
+//     roll is a copy, then mul, mul, add), each a pass over the step's q and k; this is one.  No
+//     fused multiply-add: -std=c++20 compiles with -ffp-contract=off, so the products round as
+//     ATen's do and fp32 results are bit for bit ATen's (tests/test_pointwise_kernels.py), which
+//     lets exact (fresh-prefill) steps use it too.
 //
 // Layout contract (checked below): inputs are 2-D [rows, n] with a contiguous last dim (any row
 // stride: gate_up's halves and qkv views qualify); outputs are new contiguous tensors.
@@ -104,6 +113,37 @@ void silu_mul_kernel(const at::Tensor& gu, at::Tensor& out) {
   });
 }
 
+void rope_kernel(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads) {
+  const int64_t T = qkv.size(0), D = qkv.size(2), half = D / 2, ts = qkv.stride(0), hs = qkv.stride(1);
+  float* xp = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  const bool vec = half % Vec::size() == 0;  // a vector never straddles the two halves
+  at::parallel_for(0, T, grain_rows(heads * D), [&](int64_t begin, int64_t end) {
+    std::vector<float> x(D);  // one head's values before rotation: its partner half is read from here
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cp + t * D;
+      const float* sn = sp + t * D;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* y = xp + t * ts + h * hs;
+        std::copy(y, y + D, x.data());
+        int64_t d = 0;
+        if (vec)
+          for (; d < D; d += Vec::size()) {
+            const int64_t partner = d < half ? d + half : d - half;
+            const Vec a = Vec::loadu(x.data() + d) * Vec::loadu(c + d);
+            const Vec b = Vec::loadu(x.data() + partner) * Vec::loadu(sn + d);
+            (a + b).store(y + d);
+          }
+        for (; d < D; ++d) {
+          const float a = x[d] * c[d], b = x[d < half ? d + half : d - half] * sn[d];
+          y[d] = a + b;
+        }
+      }
+    }
+  });
+}
+
 void check_rows(const at::Tensor& t, const char* op, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, op, ": ", name, " must be 2-D [rows, n] with a contiguous last dim, got sizes ",
               t.sizes(), " strides ", t.strides());
@@ -132,14 +172,32 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+at::Tensor rope_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads) {
+  TORCH_CHECK(qkv.dim() == 3 && qkv.scalar_type() == at::kFloat && qkv.stride(2) == 1,
+              "rope_: qkv must be fp32 [tokens, heads, head_dim] with a contiguous last dim, got sizes ", qkv.sizes(),
+              " strides ", qkv.strides(), " ", qkv.scalar_type());
+  const int64_t T = qkv.size(0), D = qkv.size(2);
+  TORCH_CHECK(D % 2 == 0, "rope_: head_dim must be even, got ", D);
+  TORCH_CHECK(heads >= 0 && heads <= qkv.size(1), "rope_: heads=", heads, " outside [0, ", qkv.size(1), "]");
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == T * D && t->size(0) == T &&
+                    t->size(-1) == D,
+                "rope_: cos and sin must be contiguous fp32 [", T, ", 1, ", D, "] tables (one row per token), got ",
+                t->sizes(), " ", t->scalar_type());
+  rope_kernel(qkv, cos, sin, heads);
+  return qkv;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(minikv, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("rope_(Tensor(a!) qkv, Tensor cos, Tensor sin, int heads) -> Tensor(a!)");
 }
 
 TORCH_LIBRARY_IMPL(minikv, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_mul", &silu_mul);
+  m.impl("rope_", &rope_);
 }

@@ -15,9 +15,10 @@ the absolute figures it divides, so that a ratio moved by load or versions shows
   transformers batch (sdpa) on 16 requests of seeded random lengths 32-512 tokens,
   ``max_tokens=64`` with ``ignore_eos``; the median of interleaved runs;
 * TTFT on a shared 1,000-token system prompt, with a prefix-cache hit vs a miss (milliseconds
-  and their ratio);
+  and the ratio of their medians over 5 alternating pairs);
 * prefill, per dtype: useful prefill FLOP/s against the FLOP/s ``torch.matmul`` reaches here on
-  the model's own matmul shapes;
+  the model's own matmul shapes, the two alternating over 3 rounds (the median round printed,
+  with every round's figures);
 * ops: aten ops dispatched per decode step at batch 16 (and CUDA kernels on a GPU), per backend;
 * isolation costs: keyed hashing time as a fraction of prefill time, scrubbing time as a
   fraction of end-to-end time, and the hit-rate loss when N tenants share a system prompt,
@@ -67,7 +68,7 @@ def bench_prefill(model: str, device, dtypes: list[str]) -> dict:
     return {d: prefill_efficiency(LLM(model, device=device, dtype=d)) for d in dtypes}
 
 
-def bench_ttft(model: str, device, dtype, repeats=3, seed=0) -> dict:
+def bench_ttft(model: str, device, dtype, repeats=5, seed=0) -> dict:
     llm = LLM(model, device=device, dtype=dtype, enable_prefix_caching=True)
     vocab = llm.engine.model.shape.vocab_size
     system = _random_prompts(vocab, 1, 1000, 1000, seed)[0]

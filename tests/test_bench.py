@@ -40,9 +40,16 @@ def test_bench_report_holds_every_figure_beside_its_ratio(tmp_path, capsys):
         assert p["prefill_flops_per_s"] > 0 and p["matmul_peak_flops_per_s"] > 0
         assert math.isclose(p["prefill_over_peak"], p["prefill_flops_per_s"] / p["matmul_peak_flops_per_s"])
         assert f"prefill/peak {p['prefill_over_peak']:.2f}" in text and f"prefill {dtype}" in text
+        # alternating rounds, each its own ratio; the figures are the median round's, all printed
+        rounds = p["rounds"]
+        assert len(rounds) == 3 and all(math.isclose(r["prefill_over_peak"], r["prefill_flops_per_s"] / r["matmul_peak_flops_per_s"]) for r in rounds)
+        assert p["prefill_over_peak"] == sorted(r["prefill_over_peak"] for r in rounds)[1]
+        assert p in [{**r, "rounds": rounds, "prefill_tokens": p["prefill_tokens"]} for r in rounds]
+        assert "median of 3 alternating rounds: " + "  ".join(
+            f"{r['prefill_flops_per_s'] / 1e9:.1f}/{r['matmul_peak_flops_per_s'] / 1e9:.1f}" for r in rounds) in text
     t = report["ttft"]
     assert t["hit_ms"] > 0 and t["miss_ms"] > 0
-    assert math.isclose(t["ttft_hit_over_miss"], t["hit_ms"] / t["miss_ms"])
+    assert math.isclose(t["ttft_hit_over_miss"], t["hit_ms"] / t["miss_ms"]) and t["repeats"] == 5
     assert f"{t['hit_ms']:8.1f} ms" in text and f"{t['miss_ms']:8.1f} ms" in text
     assert 0 < t["weight_pass_ms"] and f"{t['weight_pass_ms']:8.1f} ms" in text  # the hit's floor, printed
     m = report["machine"]  # what the figures were measured on, printed under the title

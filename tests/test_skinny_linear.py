@@ -6,13 +6,17 @@ What it is held to:
   magnitudes summed, against a float64 reference) for row counts on and off the 14-row
   microkernel (1, 13, 14, 15, 28, 48), widths on and off the 32-column panel (1, 31, 32, 33, 960)
   and depths down to 1; with ``out`` the product is added in place (a residual add);
-* **the packing**: panel ``p`` holds ``W[32p + j, k]`` at ``[p, k, j]``, zeros past ``N``;
+* **the packing**: panel ``p`` holds ``W[32p + j, k]`` at ``[p, k, j]``, zeros past ``N``; in
+  bf16 at ``[p, k // 2, 2j + k % 2]`` (k in pairs), zeros past ``N`` and past an odd ``K``;
+* **bf16** (AVX512-BF16): the fp32 bound plus one bf16 rounding of the output (2^-8 relative),
+  after the residual add when there is one; on and off the blocks, odd K included;
 * **batch invariance**: a row's result is bit for bit the same whichever rows share the call,
   in whatever order (a decode's logits never depend on its neighbours' matmuls);
 * **bad input**: a ``RuntimeError`` naming the bad shape, dtype or count;
-* **in the engine**: fp32 decode and prefix-hit steps of at most ``SKINNY_MAX_ROWS`` rows run on
-  it on the ``paged`` backend (counted by op name); fresh prefills (transformers' exact
-  rounding), longer steps, bf16 and the ``fused`` backend do not; without AVX-512 the engine
+* **in the engine**: decode and prefix-hit steps of at most ``SKINNY_MAX_ROWS`` rows run on it
+  on the ``paged`` backend, fp32 and bf16 (counted by op name); fresh prefills (transformers'
+  exact rounding in fp32; oneDNN's packed kernel in bf16), longer steps and the ``fused``
+  backend do not; bf16 decode logits stay within the README's bf16 tolerance of fp32; without AVX-512 the engine
   falls back to oneDNN's packed kernel.  Logit agreement with the reference backend is held by
   test_attention_fused.py and test_engine_correctness.py, which run ``paged``.
 """
@@ -29,6 +33,8 @@ from tests.paged_kernel import KERNEL_BUILT
 
 SKINNY = KERNEL_BUILT and paged_cpu.skinny_supported()
 pytestmark = pytest.mark.skipif(not SKINNY, reason="minikv's CPU kernels are not built, or this CPU has no AVX-512")
+BF16 = SKINNY and paged_cpu.skinny_bf16_supported()
+needs_bf16 = pytest.mark.skipif(not BF16, reason="this CPU has no AVX512-BF16: bf16 steps keep oneDNN's packed kernel")
 
 
 def _operands(m, n, k, seed):
@@ -36,7 +42,7 @@ def _operands(m, n, k, seed):
     return torch.randn(m, k, generator=g), torch.randn(n, k, generator=g) / k ** 0.5
 
 
-def _assert_within_fp32_bound(got, x, w, base=None):
+def _assert_within_fp32_bound(got, x, w, base=None, out_rounding=0.0):
     """|got - exact| <= (K + 2) * 2^-24 * (|x| @ |W|.T + |base|): the textbook bound for a sum
     of K products in fp32, fused or not.  A wrong element (a transposed or misplaced panel, a
     skipped row or column) is off by the size of the products, far above it."""
@@ -44,7 +50,7 @@ def _assert_within_fp32_bound(got, x, w, base=None):
     scale = x.double().abs() @ w.double().abs().T
     if base is not None:
         exact, scale = exact + base.double(), scale + base.double().abs()
-    bound = (x.shape[1] + 2) * 2.0 ** -24 * scale + 1e-30
+    bound = (x.shape[1] + 2) * 2.0 ** -24 * scale + out_rounding * exact.abs() + 1e-30
     worst = ((got.double() - exact).abs() / bound).max().item()
     assert worst <= 1.0, f"error {worst:.2f}x the fp32 bound"
 
@@ -66,6 +72,54 @@ def test_out_accumulates_in_place(m, n, k):
     got = paged_cpu.skinny_linear(x, paged_cpu.skinny_pack(w), n, out=out)
     assert got.data_ptr() == out.data_ptr()  # the residual stream itself, no new tensor
     _assert_within_fp32_bound(out, x, w, base)
+
+
+BF16_ROUNDING = 2.0 ** -8  # bf16 keeps 8 significant bits: rounding to nearest is off by <= 2^-8 relative
+
+
+@needs_bf16
+@pytest.mark.parametrize("m", [1, 13, 14, 15, 28, 48])
+@pytest.mark.parametrize("n,k", [(1, 1), (31, 17), (33, 575), (960, 576), (576, 1536)])
+def test_the_bf16_product_matches_float64(m, n, k):
+    x, w = (t.bfloat16() for t in _operands(m, n, k, seed=m * 7919 + n * 31 + k))
+    got = paged_cpu.skinny_linear(x, paged_cpu.skinny_pack(w), n)
+    assert got.shape == (m, n) and got.dtype == torch.bfloat16 and got.is_contiguous()
+    _assert_within_fp32_bound(got, x, w, out_rounding=BF16_ROUNDING)  # x and w are exact in float64
+
+
+@needs_bf16
+def test_bf16_out_accumulates_in_place_rounded_once():
+    x, w = (t.bfloat16() for t in _operands(28, 576, 1536, seed=3))
+    base = (torch.randn(28, 576, generator=torch.Generator().manual_seed(4)) * 10).bfloat16()
+    out = base.clone()
+    assert paged_cpu.skinny_linear(x, paged_cpu.skinny_pack(w), 576, out=out).data_ptr() == out.data_ptr()
+    _assert_within_fp32_bound(out, x, w, base, out_rounding=BF16_ROUNDING)
+    # the sum is rounded once, not the product and then the sum: compare with fp32 done by hand
+    exact = (x.float() @ w.float().T + base.float()).bfloat16()
+    assert (out != exact).float().mean().item() < 0.01
+
+
+@needs_bf16
+def test_the_bf16_panel_layout():
+    w = (torch.arange(70 * 5, dtype=torch.float32).view(70, 5) + 1).bfloat16()  # small integers: exact in bf16
+    p = paged_cpu.skinny_pack(w)
+    assert p.shape == (3, 3, 64) and p.dtype == torch.bfloat16
+    for n in range(70):
+        for k in range(5):
+            assert p[n // 32, k // 2, 2 * (n % 32) + k % 2] == w[n, k], (n, k)
+    assert (p[:, 2, 1::2] == 0).all()  # past the odd K: the pair's second half
+    assert (p[2, :, 2 * (70 - 64):] == 0).all()  # the last panel's 26 missing columns
+
+
+@needs_bf16
+def test_a_bf16_rows_result_does_not_depend_on_its_neighbours():
+    x, w = (t.bfloat16() for t in _operands(SKINNY_MAX_ROWS, 200, 96, seed=11))
+    packed = paged_cpu.skinny_pack(w)
+    whole = paged_cpu.skinny_linear(x, packed, 200)
+    perm = torch.randperm(SKINNY_MAX_ROWS, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(paged_cpu.skinny_linear(x[perm], packed, 200), whole[perm])
+    for i in (0, 13, 14, SKINNY_MAX_ROWS - 1):
+        assert torch.equal(paged_cpu.skinny_linear(x[i:i + 1], packed, 200), whole[i:i + 1]), i
 
 
 def test_a_strided_view_is_read_as_its_values():
@@ -100,17 +154,20 @@ _W = torch.randn(40, 24)
 
 
 @pytest.mark.parametrize("call,message", [
-    (lambda: paged_cpu.skinny_pack(torch.randn(40)), "weights must be non-empty 2-D fp32 [N, K], got [40]"),
-    (lambda: paged_cpu.skinny_pack(_W.bfloat16()), "got [40, 24] BFloat16"),
-    (lambda: paged_cpu.skinny_linear(torch.randn(3, 24).bfloat16(), paged_cpu.skinny_pack(_W), 40), "x must be 2-D fp32"),
+    (lambda: paged_cpu.skinny_pack(torch.randn(40)), "weights must be non-empty 2-D fp32 or bf16 [N, K], got [40] Float"),
+    (lambda: paged_cpu.skinny_pack(_W.half()), "got [40, 24] Half"),
+    (lambda: paged_cpu.skinny_linear(torch.randn(3, 24).double(), paged_cpu.skinny_pack(_W), 40), "x must be 2-D fp32 or bf16 [rows, K], got [3, 24] Double"),
+    (lambda: paged_cpu.skinny_linear(torch.randn(3, 24).bfloat16(), paged_cpu.skinny_pack(_W), 40), "x is BFloat16 but the weights were packed as Float"),
     (lambda: paged_cpu.skinny_linear(torch.randn(3, 2, 24), paged_cpu.skinny_pack(_W), 40), "got [3, 2, 24]"),
     (lambda: paged_cpu.skinny_linear(torch.randn(3, 25), paged_cpu.skinny_pack(_W), 40), "x has K=25 columns but the weights have K=24"),
+    (lambda: paged_cpu.skinny_linear(torch.randn(3, 26).bfloat16(), paged_cpu.skinny_pack(_W.bfloat16()), 40), "x has K=26 columns but the weights have K/2=12"),
     (lambda: paged_cpu.skinny_linear(torch.randn(3, 24), paged_cpu.skinny_pack(_W), 65), "n=65 output columns do not fit 2 panels"),
     (lambda: paged_cpu.skinny_linear(torch.randn(3, 24), paged_cpu.skinny_pack(_W), 32), "n=32 output columns do not fit 2 panels"),
     (lambda: paged_cpu.skinny_linear(torch.randn(0, 24), paged_cpu.skinny_pack(_W), 40), "rows=0 outside"),
     (lambda: paged_cpu.skinny_linear(torch.randn(3, 24), _W, 40), "packed weights must be skinny_pack's"),
     (lambda: paged_cpu.skinny_linear(torch.randn(3, 24), paged_cpu.skinny_pack(_W), 40, out=torch.zeros(4, 40)), "out has 4 rows but x has 3"),
     (lambda: paged_cpu.skinny_linear(torch.randn(3, 24), paged_cpu.skinny_pack(_W), 40, out=torch.zeros(40, 3).t()), "out must be contiguous"),
+    (lambda: paged_cpu.skinny_linear(torch.randn(3, 24), paged_cpu.skinny_pack(_W), 40, out=torch.zeros(3, 40).bfloat16()), "of x's dtype Float, got [3, 40] BFloat16"),
 ])
 def test_bad_input_is_refused_with_the_value_named(call, message):
     with pytest.raises(RuntimeError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -171,7 +228,14 @@ def test_which_steps_it_serves():
     assert isinstance(matmuls_for(fp32, exact=False, kernels=True, rows=SKINNY_MAX_ROWS + 1), DenseMatmuls)
     assert isinstance(matmuls_for(fp32, exact=True, kernels=True, rows=5), DenseMatmuls)
     assert not isinstance(matmuls_for(fp32, exact=False, kernels=False, rows=5), SkinnyMatmuls)  # "fused": pure PyTorch
-    assert not isinstance(matmuls_for(bf16, exact=False, kernels=True, rows=5), SkinnyMatmuls)
+    # bf16: few rows on the kernel where the CPU has AVX512-BF16, longer steps on oneDNN's packed one
+    assert isinstance(matmuls_for(bf16, exact=False, kernels=True, rows=5), SkinnyMatmuls) == BF16
+    if BF16:  # both copies are made when the engine is built, so no request pays for a packing
+        assert bf16._skinny is not None and bf16._skinny_head is not None
+        if matmuls._packing_available():
+            assert bf16._packed is not None and bf16._packed_head is not None
+            assert isinstance(matmuls_for(bf16, exact=True, kernels=True, rows=5), PackedMatmuls)
+            assert isinstance(matmuls_for(bf16, exact=False, kernels=True, rows=SKINNY_MAX_ROWS + 1), PackedMatmuls)
     assert fp32._skinny is matmuls_for(fp32, exact=False, kernels=True, rows=3).layers  # packed once
 
 
@@ -184,3 +248,35 @@ def test_without_avx512_the_engine_falls_back(monkeypatch):
     assert isinstance(matmuls_for(model, exact=False, kernels=True, rows=4), want)
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 3
+
+
+@needs_bf16
+def test_bf16_decodes_run_it_and_stay_within_the_bf16_tolerance():
+    """A bf16 decode and prefix-hit step run on the kernel; every step's logits stay within the
+    README's bf16 tolerance (8% of the largest logit, tests/test_engine_correctness.py) of the fp32
+    reference backend driven through the same schedule, and greedy tokens mostly agree."""
+    from tests.test_engine_correctness import BF16_TOL
+
+    runs = {}
+    for dtype, backend in (("float32", "reference"), ("bfloat16", "paged")):
+        llm = LLM("tiny-random", dtype=dtype, attention_backend=backend, enable_prefix_caching=True, num_blocks=128)
+        eng, layers = llm.engine, llm.engine.model.shape.num_layers
+        eng.logit_trace = []
+        p = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+        prompt = list(range(5, 69))
+        eng.add_request("a", prompt, p)
+        counts = _op_counts(eng, 4)
+        eng.add_request("b", prompt[:48] + [200, 201, 202], p)  # a prefix hit: 48 cached, 3 new rows
+        counts += _op_counts(eng, 4)
+        runs[dtype] = (eng.logit_trace, counts)
+    (ref_trace, _), (trace, counts) = runs["float32"], runs["bfloat16"]
+    fresh, decode, hit = counts[0], counts[1], counts[4]
+    assert "minikv::skinny_linear" not in fresh, fresh  # a bf16 prefill: oneDNN's packed kernel
+    for step in (decode, hit):
+        assert step.get("minikv::skinny_linear") == 2 * layers + 1 and step.get("minikv::skinny_linear_add_") == 2 * layers, step
+        assert "mkldnn::_linear_pointwise" not in step, step
+    assert len(trace) == len(ref_trace) == 8
+    for got, ref in zip(trace, ref_trace):
+        for rid in ref:
+            diff = (got[rid].float() - ref[rid].float()).abs().max().item()
+            assert diff <= BF16_TOL * ref[rid].abs().max().item(), (rid, diff)

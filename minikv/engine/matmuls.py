@@ -24,9 +24,13 @@ A decoder layer has four weight matrices (qkv, o_proj, gate_up, down) and two re
   kernel reduces in another order than the MKL call transformers makes, so a fresh prefill keeps
   ``F.linear`` and its logits keep matching transformers exactly.  The packed copy costs the memory of the weights
   again (the dense ones stay: prefills in fp32, the reference backend and the embedding use them).
-* :class:`SkinnyMatmuls` -- fp32 steps of at most ``SKINNY_MAX_ROWS`` rows (a decode batch, a
+* :class:`SkinnyMatmuls` -- steps of at most ``SKINNY_MAX_ROWS`` rows (a decode batch, a
   prefix hit's new tokens) on the ``paged`` backend, whose C++ kernels include a matmul for few
-  rows (``kernels/skinny_linear.cpp``, AVX-512).  Measured on the 2-core CPU, SmolLM2's 120 layer
+  rows (``kernels/skinny_linear.cpp``: fp32 with AVX-512, bf16 with AVX512-BF16).  In bf16,
+  measured on an AMD EPYC without AMX (SmolLM2's 120 layer matmuls, one pass, the two
+  interleaved, medians of 7): 1 row 9.1 ms against 18.4 ms oneDNN-packed, 16 rows 14.0 against
+  21.0, 28 rows 22.7 against 28.8, 48 rows 33.0 against 44.9; bf16 prefills keep oneDNN's packed
+  kernel.  In fp32:  Measured on the 2-core CPU, SmolLM2's 120 layer
   matmuls in fp32, interleaved, medians of two runs: 16 rows 34.4 and 33.2 ms against 44.5 and 46.9
   oneDNN-packed and 59.0 and 59.6 dense; 28 rows 47.2 and 40.8 against 61.5 and 53.1 and 72.8 and
   61.8 (the kernel's header has the table).  Longer steps go back to ``F.linear``.  Its
@@ -161,10 +165,13 @@ def _bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 
 
 def skinny(model, kernels: bool) -> bool:
-    """Whether ``model``'s fp32 steps of few rows run on the few-row matmul: the ``paged``
-    backend's kernels on a CPU, in fp32, built with AVX-512."""
-    return kernels and model.device.type == "cpu" and model.dtype == torch.float32 and \
-        paged_cpu.available() and paged_cpu.skinny_supported()
+    """Whether ``model``'s steps of few rows run on the few-row matmul: the ``paged`` backend's
+    kernels on a CPU, in fp32 built with AVX-512 or in bf16 built with AVX512-BF16."""
+    if not (kernels and model.device.type == "cpu" and paged_cpu.available()):
+        return False
+    if model.dtype == torch.float32:
+        return paged_cpu.skinny_supported()
+    return model.dtype == torch.bfloat16 and paged_cpu.skinny_bf16_supported()
 
 
 def _skinny_step(model, exact: bool, kernels: bool, rows: int) -> bool:
@@ -188,7 +195,7 @@ def logits(model, hidden: torch.Tensor, exact: bool, kernels: bool = False) -> t
     if _skinny_step(model, exact, kernels, hidden.shape[0]):
         if getattr(model, "_skinny_head", None) is None:
             model._skinny_head = (paged_cpu.skinny_pack(model.lm_head), model.lm_head.shape[0])
-        return skinny_linear(hidden, *model._skinny_head)
+        return skinny_linear(hidden, *model._skinny_head).float()  # a no-op in fp32
     if not packs(model, exact, kernels):
         return model.logits(hidden)
     if getattr(model, "_packed_head", None) is None:
@@ -202,9 +209,16 @@ def prepare(model, kernels: bool = False) -> None:
     CPU) is paid at start-up, as vLLM pays its warm-up, not by the first request to reach a
     decode or a prefix hit (a first prefix-hit TTFT of 360 ms against 95 ms for the next ones,
     measured).  Idempotent; forks sharing the weights share the packs."""
-    if packs(model, exact=False, kernels=kernels) or skinny(model, kernels):
+    h = model.embed.new_zeros(1, model.shape.hidden_size)
+    if skinny(model, kernels):  # few-row steps (decodes, prefix hits)
         matmuls_for(model, exact=False, kernels=kernels, rows=1)
-        logits(model, model.embed.new_zeros(1, model.shape.hidden_size), exact=False, kernels=kernels)
+        logits(model, h, exact=False, kernels=kernels)
+    if packs(model, exact=False, kernels=kernels):  # longer steps (bf16: prefills too)
+        matmuls_for(model, exact=False, kernels=kernels)
+        if not skinny(model, kernels):
+            logits(model, h, exact=False, kernels=kernels)
+        elif getattr(model, "_packed_head", None) is None:  # the head of a long bf16 step
+            model._packed_head = torch.ops.mkldnn._reorder_linear_weight(model.lm_head, 16)
 
 
 def matmuls_for(model, exact: bool, kernels: bool = False, rows: int | None = None):

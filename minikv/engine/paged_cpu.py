@@ -181,8 +181,17 @@ def skinny_supported() -> bool:
     return bool(torch.ops.minikv.skinny_linear_supported())
 
 
+@functools.lru_cache(maxsize=1)
+def skinny_bf16_supported() -> bool:
+    """Whether the loaded library has the bf16 few-row matmul (AVX512-BF16's ``vdpbf16ps``)."""
+    import torch
+
+    return bool(torch.ops.minikv.skinny_linear_bf16_supported())
+
+
 def skinny_pack(w):
-    """``w`` ([N, K] fp32, ``nn.Linear``'s layout) in the few-row matmul's panels of 32 columns."""
+    """``w`` ([N, K] fp32 or bf16, ``nn.Linear``'s layout) in the few-row matmul's panels of 32
+    columns (bf16: k in pairs, ``kernels/skinny_linear.cpp``)."""
     import torch
 
     return torch.ops.minikv.skinny_pack(w)

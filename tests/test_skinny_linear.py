@@ -280,3 +280,14 @@ def test_bf16_decodes_run_it_and_stay_within_the_bf16_tolerance():
         for rid in ref:
             diff = (got[rid].float() - ref[rid].float()).abs().max().item()
             assert diff <= BF16_TOL * ref[rid].abs().max().item(), (rid, diff)
+
+
+def test_without_avx512_bf16_bf16_steps_keep_onednn(monkeypatch):
+    monkeypatch.setattr(paged_cpu, "skinny_bf16_supported", lambda: False)
+    llm = LLM("tiny-random", dtype="bfloat16", attention_backend="paged")
+    model = llm.engine.model
+    assert getattr(model, "_skinny", None) is None and getattr(model, "_skinny_head", None) is None
+    want = PackedMatmuls if matmuls._packing_available() else DenseMatmuls
+    assert isinstance(matmuls_for(model, exact=False, kernels=True, rows=4), want)
+    out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 3

@@ -22,7 +22,8 @@ largest logit in fp32, greedy tokens identical) with three changes:
   (the ``rep`` query heads of one KV head become ``rep`` query rows), so never ``enable_gqa``
   with a mask: on CUDA that pair falls back to SDPA's slow math kernel.
 * **Fewer ops per layer.**  RoPE is ``x * cos + roll(x) * sin`` (rotate-half's sign folded
-  into the sine table); residual adds are in place; ``rms_norm`` is one op; the pool already
+  into the sine table; with the ``paged`` backend's kernels in fp32, one C++ op with the same
+  roundings, ``paged_cpu.rope_``); residual adds are in place; ``rms_norm`` is one op; the pool already
   has the model's dtype, so nothing is cast.  A step without a fresh prefill goes further (fused
   multiply-adds, residuals inside the matmul): see :func:`fused_forward`.
 

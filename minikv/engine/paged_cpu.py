@@ -47,6 +47,12 @@ from ..home import minikv_home
 
 SOURCES = sorted((Path(__file__).parent / "kernels").glob("*.cpp"))
 HEADERS = sorted((Path(__file__).parent / "kernels").glob("*.h"))  # what they share (cpu_vec.h)
+
+# -ffp-contract=off: a multiply and an add written apart stay apart (GCC otherwise fuses them into
+# one FMA, which rounds once instead of twice), so the kernels that promise ATen's bits (RoPE's
+# x * cos + rot * sin) keep them; the matmul and attention kernels ask for FMAs explicitly.
+CXX_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++20")
+
 _lock = threading.Lock()
 _loaded: Path | None = None
 
@@ -77,12 +83,6 @@ def library_path() -> Path | None:
                                                         " ".join(CXX_FLAGS).encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     return minikv_home() / "kernels" / f"minikv_cpu-{key}.so"
-
-
-# -ffp-contract=off: a multiply and an add written apart stay apart (GCC otherwise fuses them into
-# one FMA, which rounds once instead of twice), so the kernels that promise ATen's bits (RoPE's
-# x * cos + rot * sin) keep them; the matmul and attention kernels ask for FMAs explicitly.
-CXX_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++20")
 
 
 def _command(cxx: str, out: Path) -> list[str]:
@@ -175,7 +175,7 @@ def rope_(qkv, cos, sin, heads: int):
 def skinny_supported() -> bool:
     """Whether the loaded library has the few-row matmul (it needs AVX-512; load it first).
     Cached: the answer is fixed when the library is compiled, and ``matmuls`` asks on every step
-    (uncached, the dispatcher op ran twice per decode step: the 485th of 485 ops)."""
+    (uncached, it was a dispatcher op, run twice per decode step)."""
     import torch
 
     return bool(torch.ops.minikv.skinny_linear_supported())

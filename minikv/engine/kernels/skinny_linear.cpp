@@ -47,6 +47,9 @@
 // broadcast as one 32-bit value.  Half the k-steps over half the bytes of fp32: a decode step
 // streams 212 MB of SmolLM2 weights instead of 424.  Sums stay fp32; each output is rounded to
 // bf16 once, after the residual add when there is one (as oneDNN's "add" epilogue does).
+// Measured on an AMD EPYC without AMX (the same one pass, interleaved with oneDNN's packed bf16
+// kernel, medians of 7): 1 row 9.1 / 18.4 ms, 16 rows 14.0 / 21.0, 28 rows 22.7 / 28.8,
+// 48 rows 33.0 / 44.9, 96 rows 69.4 / 75.0.
 #include "cpu_vec.h"
 
 #include <type_traits>

@@ -193,14 +193,24 @@ def logits(model, hidden: torch.Tensor, exact: bool, kernels: bool = False) -> t
     """``model.logits(hidden)`` (fp32 logits of the rows we sample from), the LM head packed when
     the step's matmuls are: the 49,152-wide head is the largest single matmul of a decode step."""
     if _skinny_step(model, exact, kernels, hidden.shape[0]):
-        if getattr(model, "_skinny_head", None) is None:
-            model._skinny_head = (paged_cpu.skinny_pack(model.lm_head), model.lm_head.shape[0])
-        return skinny_linear(hidden, *model._skinny_head).float()  # a no-op in fp32
+        return skinny_linear(hidden, *skinny_head(model)).float()  # a no-op in fp32
     if not packs(model, exact, kernels):
         return model.logits(hidden)
+    return torch.ops.mkldnn._linear_pointwise(hidden, packed_head(model), None, "none", [], "").float()
+
+
+def skinny_head(model) -> tuple[torch.Tensor, int]:
+    """The LM head in the few-row matmul's panels, with its width (packed once, kept on the model)."""
+    if getattr(model, "_skinny_head", None) is None:
+        model._skinny_head = (paged_cpu.skinny_pack(model.lm_head), model.lm_head.shape[0])
+    return model._skinny_head
+
+
+def packed_head(model) -> torch.Tensor:
+    """The LM head in oneDNN's layout (packed once, kept on the model)."""
     if getattr(model, "_packed_head", None) is None:
         model._packed_head = torch.ops.mkldnn._reorder_linear_weight(model.lm_head, 16)
-    return torch.ops.mkldnn._linear_pointwise(hidden, model._packed_head, None, "none", [], "").float()
+    return model._packed_head
 
 
 def prepare(model, kernels: bool = False) -> None:
@@ -208,17 +218,14 @@ def prepare(model, kernels: bool = False) -> None:
     calls this when it is built, so that the reorder (about 0.3 s for SmolLM2 in fp32 on the 2-core
     CPU) is paid at start-up, as vLLM pays its warm-up, not by the first request to reach a
     decode or a prefix hit (a first prefix-hit TTFT of 360 ms against 95 ms for the next ones,
-    measured).  Idempotent; forks sharing the weights share the packs."""
-    h = model.embed.new_zeros(1, model.shape.hidden_size)
+    measured).  In bf16 with the few-row matmul both copies are made: few-row steps use its
+    panels, prefills oneDNN's.  Idempotent; forks sharing the weights share the packs."""
     if skinny(model, kernels):  # few-row steps (decodes, prefix hits)
         matmuls_for(model, exact=False, kernels=kernels, rows=1)
-        logits(model, h, exact=False, kernels=kernels)
+        skinny_head(model)
     if packs(model, exact=False, kernels=kernels):  # longer steps (bf16: prefills too)
         matmuls_for(model, exact=False, kernels=kernels)
-        if not skinny(model, kernels):
-            logits(model, h, exact=False, kernels=kernels)
-        elif getattr(model, "_packed_head", None) is None:  # the head of a long bf16 step
-            model._packed_head = torch.ops.mkldnn._reorder_linear_weight(model.lm_head, 16)
+        packed_head(model)
 
 
 def matmuls_for(model, exact: bool, kernels: bool = False, rows: int | None = None):

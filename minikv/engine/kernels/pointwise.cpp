@@ -26,7 +26,8 @@
 //     rotate_half(x) is x rolled by D/2), two products then one sum, each rounded to fp32, the
 //     order of transformers' `q * cos + rotate_half(q) * sin`.  ATen needs four ops for it (the
 //     roll is a copy, then mul, mul, add), each a pass over the step's q and k; this is one.  No
-//     fused multiply-add: -std=c++20 compiles with -ffp-contract=off, so the products round as
+//     fused multiply-add: GCC contracts `a * b + c` into one FMA even under -std=c++20, so the
+//     library is built with -ffp-contract=off (paged_cpu.CXX_FLAGS); the products then round as
 //     ATen's do and fp32 results are bit for bit ATen's (tests/test_pointwise_kernels.py), which
 //     lets exact (fresh-prefill) steps use it too.
 //

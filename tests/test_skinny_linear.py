@@ -28,7 +28,7 @@ from torch.profiler import profile
 
 from minikv import LLM, SamplingParams
 from minikv.engine import matmuls, paged_cpu
-from minikv.engine.matmuls import SKINNY_MAX_ROWS, DenseMatmuls, PackedMatmuls, SkinnyMatmuls, matmuls_for
+from minikv.engine.matmuls import SKINNY_BF16_MAX_ROWS_AMX, SKINNY_MAX_ROWS, DenseMatmuls, PackedMatmuls, SkinnyMatmuls, matmuls_for
 from tests.paged_kernel import KERNEL_BUILT
 
 SKINNY = KERNEL_BUILT and paged_cpu.skinny_supported()
@@ -237,6 +237,29 @@ def test_which_steps_it_serves():
             assert isinstance(matmuls_for(bf16, exact=True, kernels=True, rows=5), PackedMatmuls)
             assert isinstance(matmuls_for(bf16, exact=False, kernels=True, rows=SKINNY_MAX_ROWS + 1), PackedMatmuls)
     assert fp32._skinny is matmuls_for(fp32, exact=False, kernels=True, rows=3).layers  # packed once
+
+
+@needs_bf16
+@pytest.mark.parametrize("amx", [True, False])
+def test_with_amx_bf16_steps_past_a_few_rows_stay_on_onednn(monkeypatch, amx):
+    """On a CPU with AMX oneDNN's bf16 matmul wins from about a dozen rows (matmuls.py has the
+    measurements), so the kernel's bf16 bound drops to SKINNY_BF16_MAX_ROWS_AMX there; fp32 is
+    not affected (oneDNN's fp32 kernel does not use AMX)."""
+    monkeypatch.setattr(matmuls, "amx_available", lambda: amx)
+    fp32 = LLM("tiny-random", dtype="float32", attention_backend="paged").engine.model
+    bf16 = LLM("tiny-random", dtype="bfloat16", attention_backend="paged").engine.model
+    bound = SKINNY_BF16_MAX_ROWS_AMX if amx else SKINNY_MAX_ROWS
+    assert matmuls.skinny_max_rows(bf16) == bound and matmuls.skinny_max_rows(fp32) == SKINNY_MAX_ROWS
+    assert isinstance(matmuls_for(bf16, exact=False, kernels=True, rows=bound), SkinnyMatmuls)
+    want = PackedMatmuls if matmuls._packing_available() else DenseMatmuls
+    assert isinstance(matmuls_for(bf16, exact=False, kernels=True, rows=bound + 1), want)
+    assert isinstance(matmuls_for(fp32, exact=False, kernels=True, rows=SKINNY_MAX_ROWS), SkinnyMatmuls)
+    # the LM head follows the same bound: bound + 1 rows of hidden state go through oneDNN's head
+    hidden = torch.randn(bound + 1, bf16.shape.hidden_size).bfloat16()
+    with torch.profiler.profile() as prof:
+        out = matmuls.logits(bf16, hidden, exact=False, kernels=True)
+    names = {e.name for e in prof.events()}
+    assert out.shape == (bound + 1, bf16.shape.vocab_size) and "minikv::skinny_linear" not in names, names
 
 
 def test_without_avx512_the_engine_falls_back(monkeypatch):

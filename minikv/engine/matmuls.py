@@ -41,6 +41,8 @@ by one like every other op here.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -51,6 +53,29 @@ from .paged_cpu import silu_mul, skinny_linear
 # where a first, noisy measurement had the libraries level at 64 rows; interleaved runs later put
 # the kernel still ~10% ahead there (kernels/skinny_linear.cpp), so the bound is conservative.
 SKINNY_MAX_ROWS = 48
+# In bf16 on a CPU with AMX, oneDNN runs its packed matmul on the AMX tile unit, and that wins from
+# about a dozen rows: SmolLM2's 120 layer matmuls on the 2-core Intel Xeon with AMX (interleaved,
+# medians of 9) took 14.0 / 15.4 / 17.7 / 23.4 / 35.5 / 98.4 ms here at 2 / 4 / 8 / 12 / 16 / 48
+# rows against oneDNN's 22.7 / 28.6 / 22.4 / 22.7 / 27.0 / 29.4.  So there bf16 steps of more
+# than this many rows stay on oneDNN; without AMX (AVX512-BF16 only) the bound above holds.
+SKINNY_BF16_MAX_ROWS_AMX = 8
+
+
+@functools.lru_cache(maxsize=1)
+def amx_available() -> bool:
+    """Whether this CPU has AMX tiles that oneDNN may use (PyTorch's own check; False where the
+    build lacks it)."""
+    try:
+        return bool(torch.cpu._is_amx_tile_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def skinny_max_rows(model) -> int:
+    """The most rows a step of ``model`` may have to run on the few-row matmul."""
+    if model.dtype == torch.bfloat16 and amx_available():
+        return SKINNY_BF16_MAX_ROWS_AMX
+    return SKINNY_MAX_ROWS
 
 
 def _packing_available() -> bool:
@@ -175,7 +200,7 @@ def skinny(model, kernels: bool) -> bool:
 
 
 def _skinny_step(model, exact: bool, kernels: bool, rows: int) -> bool:
-    return not exact and rows <= SKINNY_MAX_ROWS and skinny(model, kernels)
+    return not exact and skinny(model, kernels) and rows <= skinny_max_rows(model)
 
 
 def packs(model, exact: bool, kernels: bool = False) -> bool:

@@ -10,7 +10,7 @@ What they are held to:
 * **SwiGLU**: in fp32, bit for bit ``F.silu(gate) * up`` for widths that are a whole number of
   vectors (every common model; SmolLM2's 1536): the engine runs it on steps held to
   transformers' exact rounding.  Other widths and bf16: within the dtype's rounding;
-* **RoPE** (``rope_``): in fp32, bit for bit the fused forward's ATen ops (roll, two multiplies,
+* **RoPE** (``rope_``): in fp32 and in bf16, bit for bit the fused forward's ATen ops (roll, two multiplies,
   one add) on the rotated heads, at head dims that take the vector path and ones that do not,
   on a strided qkv view; the heads past ``heads`` (v) are untouched;
 * **bad input**: a ``RuntimeError`` naming the bad shape, dtype or value;
@@ -107,11 +107,14 @@ def test_silu_mul_other_widths_and_bf16_are_within_rounding(dtype, n):
 @pytest.mark.parametrize("tokens,heads_total,heads,dim", [
     (300, 15, 12, 64),  # SmolLM2's q, k, v heads: q and k rotate, v does not
     (1, 15, 12, 64), (28, 6, 6, 128), (7, 5, 3, 10), (9, 4, 2, 48)])  # 10, 48: halves off the vector width
-def test_rope_is_atens_ops_bit_for_bit_in_fp32(tokens, heads_total, heads, dim):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_is_atens_ops_bit_for_bit(tokens, heads_total, heads, dim, dtype):
+    """In bf16 as in fp32: ATen rounds after each of its ops (two products, one sum), and so does
+    the kernel, so the bits agree in both dtypes."""
     g = torch.Generator().manual_seed(tokens * 7 + dim)
-    wide = torch.randn(tokens, heads_total * dim + 32, generator=g) * 3
+    wide = (torch.randn(tokens, heads_total * dim + 32, generator=g) * 3).to(dtype)
     qkv = wide[:, 32:].view(tokens, heads_total, dim)  # a view with a row stride, like the matmul's output
-    cos, sin = _rope_tables(tokens, dim, tokens)
+    cos, sin = (t.to(dtype) for t in _rope_tables(tokens, dim, tokens))
     expected = qkv.clone()
     qk = expected[:, :heads]  # the fused forward's exact branch, in ATen
     rot = qk.roll(dim // 2, -1).mul_(sin)
@@ -134,12 +137,13 @@ def test_rope_is_a_rotation():
 
 
 @pytest.mark.parametrize("call,message", [
-    (lambda: rope_(torch.randn(4, 3, 8).double(), *_rope_tables(4, 8, 0), 2), "qkv must be fp32 [tokens, heads, head_dim]"),
+    (lambda: rope_(torch.randn(4, 3, 8).double(), *_rope_tables(4, 8, 0), 2), "qkv must be fp32 or bf16 [tokens, heads, head_dim]"),
     (lambda: rope_(torch.randn(4, 8, 3).transpose(1, 2), *_rope_tables(4, 8, 0), 2), "with a contiguous last dim"),
     (lambda: rope_(torch.randn(4, 3, 7), torch.ones(4, 1, 7), torch.ones(4, 1, 7), 2), "head_dim must be even, got 7"),
     (lambda: rope_(torch.randn(4, 3, 8), *_rope_tables(4, 8, 0), 4), "heads=4 outside [0, 3]"),
-    (lambda: rope_(torch.randn(4, 3, 8), *_rope_tables(5, 8, 0), 2), "must be contiguous fp32 [4, 1, 8] tables .one row per token., got [5, 1, 8] Float"),
-    (lambda: rope_(torch.randn(4, 3, 8), torch.ones(4, 1, 8).half(), torch.ones(4, 1, 8), 2), "must be contiguous fp32 [4, 1, 8]"),
+    (lambda: rope_(torch.randn(4, 3, 8), *_rope_tables(5, 8, 0), 2), "must be contiguous [4, 1, 8] tables .one row per token. of qkv's dtype Float, got [5, 1, 8] Float"),
+    (lambda: rope_(torch.randn(4, 3, 8), torch.ones(4, 1, 8).half(), torch.ones(4, 1, 8), 2), "of qkv's dtype Float, got [4, 1, 8] Half"),
+    (lambda: rope_(torch.randn(4, 3, 8).bfloat16(), *_rope_tables(4, 8, 0), 2), "of qkv's dtype BFloat16, got [4, 1, 8] Float"),
 
     (lambda: rms_norm(torch.randn(576), torch.ones(576), 1e-5), "x must be 2-D [rows, n]"),
     (lambda: rms_norm(torch.randn(4, 576).t(), torch.ones(4), 1e-5), "with a contiguous last dim"),
@@ -190,3 +194,41 @@ def test_the_paged_backend_runs_them_and_the_fused_backend_does_not():
         assert c.get("minikv::rope_") == layers and "aten::roll" not in c, c
     assert fpre.get("aten::roll") == layers and fdec.get("aten::roll") == layers
     assert not any(k.startswith("minikv::") for k in (*fpre, *fdec))
+
+
+def test_bf16_steps_rope_with_the_kernel_too(monkeypatch):
+    """In bf16 the ``paged`` backend's prefills and decodes rotate q and k with ``rope_`` (one op
+    per layer, no roll), and the prefill's logits are the same bits as with ATen's ops (the
+    kernel rounds where they do)."""
+    from torch.profiler import profile
+
+    from minikv import LLM
+    from minikv.engine import SamplingParams, model_runner
+
+    prompt, params = list(range(5, 45)), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    llm = LLM("tiny-random", dtype="bfloat16", attention_backend="paged")
+    eng, layers = llm.engine, llm.engine.model.shape.num_layers
+    eng.logit_trace = []
+    eng.add_request("r", prompt, params)
+    for _ in range(2):  # the prefill, then a decode
+        with profile() as p:
+            eng.step()
+        names = [e.name for e in p.events()]
+        assert names.count("minikv::rope_") == layers and "aten::roll" not in names, names
+    # the same two steps with the kernel's RoPE switched off in the plan: ATen's roll, multiplies and add
+    real = model_runner.build_plan
+
+    def aten_rope(*a, **k):
+        plan = real(*a, **k)
+        assert plan.rope_kernel  # so that the switch below is what changes
+        plan.rope_kernel = False
+        return plan
+
+    monkeypatch.setattr(model_runner, "build_plan", aten_rope)
+    other = llm.fork().engine
+    other.logit_trace = []
+    other.add_request("r", prompt, params)
+    with profile() as p:
+        other.step()
+    assert "aten::roll" in {e.name for e in p.events()}
+    assert torch.equal(other.logit_trace[0]["r"], eng.logit_trace[0]["r"])  # the prefill: same bits

@@ -22,8 +22,8 @@ largest logit in fp32, greedy tokens identical) with three changes:
   (the ``rep`` query heads of one KV head become ``rep`` query rows), so never ``enable_gqa``
   with a mask: on CUDA that pair falls back to SDPA's slow math kernel.
 * **Fewer ops per layer.**  RoPE is ``x * cos + roll(x) * sin`` (rotate-half's sign folded
-  into the sine table; with the ``paged`` backend's kernels in fp32, one C++ op with the same
-  roundings, ``paged_cpu.rope_``); residual adds are in place; ``rms_norm`` is one op; the pool already
+  into the sine table; with the ``paged`` backend's kernels, one C++ op with the same
+  roundings in fp32 and bf16, ``paged_cpu.rope_``); residual adds are in place; ``rms_norm`` is one op; the pool already
   has the model's dtype, so nothing is cast.  A step without a fresh prefill goes further (fused
   multiply-adds, residuals inside the matmul): see :func:`fused_forward`.
 
@@ -87,7 +87,7 @@ class FusedPlan:
     groups: list[Group]
     exact: bool = True  # a fresh prefill is in the step: keep transformers' op order (see fused_forward)
     kernels: bool = False  # the "paged" backend: minikv's C++ CPU kernels (paged_cpu.py) where they apply
-    rope_kernel: bool = False  # RoPE by minikv's one-pass op (fp32 kernels): cos/sin stay [T, 1, head_dim]
+    rope_kernel: bool = False  # RoPE by minikv's one-pass op (the kernels, fp32 or bf16): cos/sin stay [T, 1, head_dim]
 
 
 def to_device(values, dtype, device) -> torch.Tensor:
@@ -161,7 +161,7 @@ def build_plan(model, positions: torch.Tensor, slots: torch.Tensor, prefills: li
     # bit for bit); prefix-hit prefills and decodes reduce in another order anyway (2e-4).
     exact = any(p[1] == p[2] for p in prefills)
     # minikv's RoPE op rotates q and k in place in one pass, bit for bit ATen's ops (pointwise.cpp)
-    rope_kernel = paged and dtype == torch.float32
+    rope_kernel = paged and dtype in (torch.float32, torch.bfloat16)
     if not exact and not rope_kernel:  # tables over q, k *and* v heads (v: cos 1, sin 0), so one fused op ropes them all
         qk, t = s.num_heads + s.num_kv_heads, positions.shape[0]
         cos = torch.cat([cos.expand(t, qk, -1), cos.new_ones(t, s.num_kv_heads, s.head_dim)], dim=1)

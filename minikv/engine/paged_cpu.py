@@ -163,7 +163,7 @@ def silu_mul(gate_up):
 
 
 def rope_(qkv, cos, sin, heads: int):
-    """Rotary embedding of the first ``heads`` heads of ``qkv`` ([T, heads_total, D], fp32), in
+    """Rotary embedding of the first ``heads`` heads of ``qkv`` ([T, heads_total, D], fp32 or bf16), in
     place: ``x * cos + roll(x, D/2) * sin`` with ``sin`` carrying rotate-half's sign, bit for bit
     ATen's four ops (``kernels/pointwise.cpp``); ``cos``/``sin`` are [T, 1, D]."""
     import torch

@@ -29,13 +29,15 @@
 //     fused multiply-add: GCC contracts `a * b + c` into one FMA even under -std=c++20, so the
 //     library is built with -ffp-contract=off (paged_cpu.CXX_FLAGS); the products then round as
 //     ATen's do and fp32 results are bit for bit ATen's (tests/test_pointwise_kernels.py), which
-//     lets exact (fresh-prefill) steps use it too.
+//     lets exact (fresh-prefill) steps use it too.  In bf16 each ATen op rounds its fp32 result to
+//     bf16; the kernel rounds at the same three places, so bf16 results are ATen's bits as well.
 //
 // Layout contract (checked below): inputs are 2-D [rows, n] with a contiguous last dim (any row
 // stride: gate_up's halves and qkv views qualify); outputs are new contiguous tensors.
 #include "cpu_vec.h"
 
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -114,7 +116,7 @@ void silu_mul_kernel(const at::Tensor& gu, at::Tensor& out) {
   });
 }
 
-void rope_kernel(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads) {
+void rope_kernel_fp32(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads) {
   const int64_t T = qkv.size(0), D = qkv.size(2), half = D / 2, ts = qkv.stride(0), hs = qkv.stride(1);
   float* xp = qkv.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
@@ -139,6 +141,50 @@ void rope_kernel(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, 
         for (; d < D; ++d) {
           const float a = x[d] * c[d], b = x[d < half ? d + half : d - half] * sn[d];
           y[d] = a + b;
+        }
+      }
+    }
+  });
+}
+
+// f rounded to the nearest bf16 (ties to even), kept as an fp32: what a bf16 ATen op stores
+// after computing in fp32 (c10's round_to_nearest_even; a NaN becomes the quiet NaN).  Integer
+// arithmetic on the bits, so the loops below vectorize.
+inline float round_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u = std::isnan(f) ? 0x7FC00000u : (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  float r;
+  std::memcpy(&r, &u, 4);
+  return r;
+}
+
+// bf16: the same formula with ATen's three roundings, one after each op (the roll is a copy, the
+// two products and the sum each stored as bf16), so results are bit for bit those of the exact
+// branch's ops in bf16 too.  Each head is widened into fp32 scratch, computed, then narrowed by
+// taking the top 16 bits of values already rounded.
+void rope_kernel_bf16(at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads) {
+  const int64_t T = qkv.size(0), D = qkv.size(2), half = D / 2, ts = qkv.stride(0), hs = qkv.stride(1);
+  auto* xp = qkv.data_ptr<at::BFloat16>();
+  const auto* cp = cos.data_ptr<at::BFloat16>();
+  const auto* sp = sin.data_ptr<at::BFloat16>();
+  at::parallel_for(0, T, grain_rows(heads * D), [&](int64_t begin, int64_t end) {
+    std::vector<float> c(D), sn(D), x(D), o(D);
+    for (int64_t t = begin; t < end; ++t) {
+      minikv_cpu::to_fp32(cp + t * D, c.data(), D);
+      minikv_cpu::to_fp32(sp + t * D, sn.data(), D);
+      for (int64_t h = 0; h < heads; ++h) {
+        at::BFloat16* y = xp + t * ts + h * hs;
+        minikv_cpu::to_fp32(y, x.data(), D);
+        for (int64_t d = 0; d < half; ++d)
+          o[d] = round_bf16(round_bf16(x[d] * c[d]) + round_bf16(x[d + half] * sn[d]));
+        for (int64_t d = half; d < D; ++d)
+          o[d] = round_bf16(round_bf16(x[d] * c[d]) + round_bf16(x[d - half] * sn[d]));
+        auto* y16 = reinterpret_cast<uint16_t*>(y);
+        for (int64_t d = 0; d < D; ++d) {
+          uint32_t u;
+          std::memcpy(&u, &o[d], 4);
+          y16[d] = static_cast<uint16_t>(u >> 16);
         }
       }
     }
@@ -174,18 +220,20 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
 }
 
 at::Tensor rope_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t heads) {
-  TORCH_CHECK(qkv.dim() == 3 && qkv.scalar_type() == at::kFloat && qkv.stride(2) == 1,
-              "rope_: qkv must be fp32 [tokens, heads, head_dim] with a contiguous last dim, got sizes ", qkv.sizes(),
-              " strides ", qkv.strides(), " ", qkv.scalar_type());
+  const auto dt = qkv.scalar_type();
+  TORCH_CHECK(qkv.dim() == 3 && (dt == at::kFloat || dt == at::kBFloat16) && qkv.stride(2) == 1,
+              "rope_: qkv must be fp32 or bf16 [tokens, heads, head_dim] with a contiguous last dim, got sizes ",
+              qkv.sizes(), " strides ", qkv.strides(), " ", dt);
   const int64_t T = qkv.size(0), D = qkv.size(2);
   TORCH_CHECK(D % 2 == 0, "rope_: head_dim must be even, got ", D);
   TORCH_CHECK(heads >= 0 && heads <= qkv.size(1), "rope_: heads=", heads, " outside [0, ", qkv.size(1), "]");
   for (const at::Tensor* t : {&cos, &sin})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == T * D && t->size(0) == T &&
+    TORCH_CHECK(t->scalar_type() == dt && t->is_contiguous() && t->numel() == T * D && t->size(0) == T &&
                     t->size(-1) == D,
-                "rope_: cos and sin must be contiguous fp32 [", T, ", 1, ", D, "] tables (one row per token), got ",
-                t->sizes(), " ", t->scalar_type());
-  rope_kernel(qkv, cos, sin, heads);
+                "rope_: cos and sin must be contiguous [", T, ", 1, ", D, "] tables (one row per token) of qkv's dtype ",
+                dt, ", got ", t->sizes(), " ", t->scalar_type());
+  if (dt == at::kFloat) rope_kernel_fp32(qkv, cos, sin, heads);
+  else rope_kernel_bf16(qkv, cos, sin, heads);
   return qkv;
 }
 

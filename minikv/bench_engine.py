@@ -31,6 +31,7 @@ import time
 import torch
 
 from .engine import SamplingParams
+from .engine.matmuls import amx_available
 
 BATCH_FOR_OPS = 16
 
@@ -47,19 +48,19 @@ def machine_info(device) -> dict:
     between machines with and without), the ISA torch dispatches to, cores, torch's version, and
     the GPU's name on CUDA.  The same benchmark gave 230 bf16 tokens/s on one 2-core machine of
     this project (Intel, AMX) and 113 on another (AMD EPYC, AVX-512 without AMX)."""
-    model, flags = "unknown", set()
+    model = "unknown"
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 key, _, value = line.partition(":")
                 if key.strip() == "model name" and model == "unknown":
                     model = value.strip()
-                elif key.strip() == "flags" and not flags:
-                    flags = set(value.split())
     except OSError:  # not Linux: the model name is all platform knows
         import platform
         model = platform.processor() or model
-    info = {"cpu": model, "amx": "amx_bf16" in flags, "cores": os.cpu_count(), "torch": torch.__version__,
+    # AMX by the test that chooses the bf16 kernels (matmuls.amx_available, PyTorch's own), so the
+    # "AMX yes" printed is what the engine acted on, not a second reading of /proc/cpuinfo's flags
+    info = {"cpu": model, "amx": amx_available(), "cores": os.cpu_count(), "torch": torch.__version__,
             "isa": torch.backends.cpu.get_cpu_capability()}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)

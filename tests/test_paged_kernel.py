@@ -189,6 +189,43 @@ def test_a_changed_source_is_a_different_build(tmp_path, monkeypatch):
     assert paged_cpu.library_path() == first
 
 
+def test_prune_deletes_only_builds_unused_for_the_stale_period(tmp_path):
+    """Builds pile up (one per source, torch or compiler change); the next build deletes those
+    nothing has built or loaded for ``STALE_AFTER_DAYS``, and nothing else: not the build it
+    keeps, not a recently loaded one (another venv's), not a build being written now, not a
+    file that is not a build."""
+    from minikv.engine import paged_cpu
+
+    now, day = 1_000_000_000.0, 86400
+    old, recent = now - (paged_cpu.STALE_AFTER_DAYS + 1) * day, now - (paged_cpu.STALE_AFTER_DAYS - 1) * day
+    files = {"minikv_cpu-keep.so": old, "minikv_cpu-stale.so": old, "minikv_cpu-recent.so": recent,
+             "minikv_cpu-dead.123.tmp": old, "minikv_cpu-live.456.tmp": now, "notes.txt": old}
+    for name, mtime in files.items():
+        (tmp_path / name).write_bytes(b"x")
+        os.utime(tmp_path / name, (mtime, mtime))
+    gone = paged_cpu.prune(tmp_path, keep=tmp_path / "minikv_cpu-keep.so", now=now)
+    assert sorted(p.name for p in gone) == ["minikv_cpu-dead.123.tmp", "minikv_cpu-stale.so"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["minikv_cpu-keep.so", "minikv_cpu-live.456.tmp",
+                                                          "minikv_cpu-recent.so", "notes.txt"]
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
+def test_a_build_prunes_stale_builds_beside_it(tmp_path, monkeypatch):
+    """``build`` runs the pruning once its own library is in place (the compiler replaced by
+    ``touch``: what is tested is the bookkeeping, not g++)."""
+    from minikv.engine import paged_cpu
+
+    monkeypatch.setenv("MINIKV_HOME", str(tmp_path))
+    monkeypatch.setattr(paged_cpu, "_command", lambda cxx, out: ["touch", str(out)])
+    folder = tmp_path / "kernels"
+    folder.mkdir()
+    stale = folder / "minikv_cpu-0000000000000000.so"
+    stale.write_bytes(b"x")
+    os.utime(stale, (1.0, 1.0))
+    path = paged_cpu.build()
+    assert path.exists() and path.parent == folder and not stale.exists()
+
+
 def test_python_and_the_library_agree_on_the_head_dims():
     """The registry decides ``auto`` before the library is loaded, so it keeps its own list;
     the library's dispatch and checks read one C++ list, which it reports."""

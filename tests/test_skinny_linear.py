@@ -13,8 +13,9 @@ What it is held to:
 * **batch invariance**: a row's result is bit for bit the same whichever rows share the call,
   in whatever order (a decode's logits never depend on its neighbours' matmuls);
 * **bad input**: a ``RuntimeError`` naming the bad shape, dtype or count;
-* **in the engine**: decode and prefix-hit steps of at most ``SKINNY_MAX_ROWS`` rows run on it
-  on the ``paged`` backend, fp32 and bf16 (counted by op name); fresh prefills (transformers'
+* **in the engine**: decode and prefix-hit steps of at most ``matmuls.skinny_max_rows`` rows run
+  on it on the ``paged`` backend, fp32 and bf16 (counted by op name): ``SKINNY_MAX_ROWS``, or
+  ``SKINNY_BF16_MAX_ROWS_AMX`` for bf16 on a CPU with AMX; fresh prefills (transformers'
   exact rounding in fp32; oneDNN's packed kernel in bf16), longer steps and the ``fused``
   backend do not; bf16 decode logits stay within the README's bf16 tolerance of fp32; without AVX-512 the engine
   falls back to oneDNN's packed kernel.  Logit agreement with the reference backend is held by

@@ -24,8 +24,9 @@ A decoder layer has four weight matrices (qkv, o_proj, gate_up, down) and two re
   kernel reduces in another order than the MKL call transformers makes, so a fresh prefill keeps
   ``F.linear`` and its logits keep matching transformers exactly.  The packed copy costs the memory of the weights
   again (the dense ones stay: prefills in fp32, the reference backend and the embedding use them).
-* :class:`SkinnyMatmuls` -- steps of at most ``SKINNY_MAX_ROWS`` rows (a decode batch, a
-  prefix hit's new tokens) on the ``paged`` backend, whose C++ kernels include a matmul for few
+* :class:`SkinnyMatmuls` -- steps of at most :func:`skinny_max_rows` rows (a decode batch, a
+  prefix hit's new tokens: ``SKINNY_MAX_ROWS``, except bf16 on a CPU with AMX, where oneDNN's
+  AMX kernel wins past ``SKINNY_BF16_MAX_ROWS_AMX``) on the ``paged`` backend, whose C++ kernels include a matmul for few
   rows (``kernels/skinny_linear.cpp``: fp32 with AVX-512, bf16 with AVX512-BF16).  In bf16,
   measured on an AMD EPYC without AMX (SmolLM2's 120 layer matmuls, one pass, the two
   interleaved, medians of 7): 1 row 9.1 ms against 18.4 ms oneDNN-packed, 16 rows 14.0 against

@@ -23,7 +23,9 @@ How it gets here, and why never mid-lesson:
   (``$MINIKV_HOME/kernels``).  ``make model`` (so ``make course`` and ``make test``) runs it
   once at set-up: about 20 s.  The file name carries a hash of the source, the torch version,
   the compiler and the CPU's feature flags, so a changed source or another machine never loads
-  a stale build.
+  a stale build.  Builds that nothing has loaded for ``STALE_AFTER_DAYS`` are deleted by the
+  next build (:func:`prune`): every minikv upgrade or torch upgrade makes a new one (~0.6 MB),
+  while a build another environment still loads is kept, since loading it marks it used.
 * :func:`available` only *loads* a build that already exists; it never compiles.  So the
   ``auto`` backend means ``paged`` where set-up built the kernel and ``fused`` where it could
   not (no compiler): no request, lesson or test ever waits on a compiler it did not ask for.
@@ -52,6 +54,11 @@ HEADERS = sorted((Path(__file__).parent / "kernels").glob("*.h"))  # what they s
 # one FMA, which rounds once instead of twice), so the kernels that promise ATen's bits (RoPE's
 # x * cos + rot * sin) keep them; the matmul and attention kernels ask for FMAs explicitly.
 CXX_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++20")
+
+# A build nothing has loaded for this long is deleted by the next build (prune); a build in use
+# is touched on every load, so another venv's (another torch, another key) is never taken away.
+STALE_AFTER_DAYS = 30
+_PREFIX = "minikv_cpu-"
 
 _lock = threading.Lock()
 _loaded: Path | None = None
@@ -82,7 +89,7 @@ def library_path() -> Path | None:
     parts = [p.read_bytes() for p in SOURCES + HEADERS] + [torch.__version__.encode(), cxx.encode(), _cpu_flags().encode(),
                                                         " ".join(CXX_FLAGS).encode()]
     key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    return minikv_home() / "kernels" / f"minikv_cpu-{key}.so"
+    return minikv_home() / "kernels" / f"{_PREFIX}{key}.so"
 
 
 def _command(cxx: str, out: Path) -> list[str]:
@@ -113,7 +120,24 @@ def build(force: bool = False) -> Path:
         tmp.unlink(missing_ok=True)
         raise RuntimeError(f"building {', '.join(p.name for p in SOURCES)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     os.replace(tmp, path)
+    prune(path.parent, keep=path)
     return path
+
+
+def prune(folder: Path, keep: Path, now: float | None = None) -> list[Path]:
+    """Delete the builds in ``folder`` (and half-written ``.tmp`` files of dead builds) that have
+    not been built or loaded for ``STALE_AFTER_DAYS``, never ``keep``; returns what was deleted.
+    A deletion that fails (another process got there first) is skipped, never raised."""
+    cutoff = (time.time() if now is None else now) - STALE_AFTER_DAYS * 86400
+    gone = []
+    for f in folder.glob(f"{_PREFIX}*"):
+        try:
+            if f != keep and f.stat().st_mtime < cutoff:
+                f.unlink()
+                gone.append(f)
+        except OSError:
+            continue
+    return gone
 
 
 def available() -> bool:
@@ -133,6 +157,10 @@ def available() -> bool:
         if _loaded is None:
             torch.ops.load_library(str(path))
             _loaded = path
+            try:  # in use: prune() keeps it (a read-only cache is fine: it is simply not marked)
+                os.utime(path)
+            except OSError:
+                pass
     return True
 
 

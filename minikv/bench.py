@@ -18,7 +18,7 @@ the absolute figures it divides, so that a ratio moved by load or versions shows
   and the ratio of their medians over 5 alternating pairs);
 * prefill, per dtype: useful prefill FLOP/s against the FLOP/s ``torch.matmul`` reaches here on
   the model's own matmul shapes, the two alternating over 3 rounds (the median round printed,
-  with every round's figures);
+  with every round's figures and that round's matmul passes: :mod:`minikv.bench_prefill`);
 * ops: aten ops dispatched per decode step at batch 16 (and CUDA kernels on a GPU), per backend;
 * isolation costs: keyed hashing time as a fraction of prefill time, scrubbing time as a
   fraction of end-to-end time, and the hit-rate loss when N tenants share a system prompt,
@@ -43,7 +43,8 @@ import warnings
 
 import torch
 
-from .bench_engine import decode_ops, format_engine, format_machine, machine_info, prefill_efficiency, random_prompts, throughput, weight_pass_s
+from .bench_engine import decode_ops, format_engine, format_machine, machine_info, random_prompts, throughput
+from .bench_prefill import prefill_efficiency, weight_pass_s
 from .engine import SamplingParams, UnsafeSettingWarning
 from .llm import LLM
 from .models.hub import resolve_model

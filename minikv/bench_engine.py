@@ -15,9 +15,7 @@ Figures here (all measured in the run that prints them):
 
 * throughput: generated tokens/s of minikv (``auto`` backend), of the ``reference`` backend and
   of transformers' padded ``generate`` (sdpa), per dtype, and their ratios;
-* prefill FLOP/s: the useful FLOPs of prefilling the throughput prompts (matmuls + causal
-  attention, no padding counted) over its time, against the FLOP/s ``torch.matmul`` reaches here
-  on the model's own matmul shapes (the "peak" is measured, not looked up);
+* prefill FLOP/s against the matmul peak measured here: :mod:`minikv.bench_prefill`;
 * aten ops dispatched per decode step at batch 16, per backend (``torch.profiler``); on CUDA
   also the kernels launched.
 """
@@ -138,91 +136,6 @@ def throughput(llm, model_path, n=16, max_tokens=64, seed=0, repeats=2) -> dict:
             "load_before": load_before, "load_after": os.getloadavg()[0], "threads": torch.get_num_threads()}
 
 
-def _linear_shapes(model) -> list[tuple[int, int]]:
-    """(in, out) of each matmul one layer runs on every token: qkv, o_proj, gate_up, down."""
-    layer = model.layers[0]
-    return [tuple(reversed(getattr(layer, w).shape)) for w in ("qkv", "o_proj", "gate_up", "down")]
-
-
-def matmul_peak(model, tokens: int, repeats=3) -> float:
-    """FLOP/s of ``torch.matmul`` on this machine for ``[tokens, in] @ [in, out]`` over the model's
-    own layer shapes, in its dtype and on its device (best of ``repeats``)."""
-    dev, dt = model.device, model.dtype
-    pairs = [(torch.randn(tokens, i, device=dev, dtype=dt), torch.randn(i, o, device=dev, dtype=dt))
-             for i, o in _linear_shapes(model)]
-    flops = sum(2 * tokens * b.shape[0] * b.shape[1] for _, b in pairs)
-    for a, b in pairs:  # warm-up
-        torch.matmul(a, b)
-    best = float("inf")
-    for _ in range(repeats):
-        _sync(dev)
-        t0 = time.perf_counter()
-        for a, b in pairs:
-            torch.matmul(a, b)
-        _sync(dev)
-        best = min(best, time.perf_counter() - t0)
-    return flops / best
-
-
-def weight_pass_s(model, repeats=3) -> float:
-    """Seconds for one token row through every weight matrix of ``model`` in order (each layer's
-    four matmuls, then the LM head): the floor of any forward pass, prefix hit included, since a
-    hit still reads every weight once.  On a CPU that is memory bandwidth (SmolLM2 in fp32 is
-    about 540 MB of weights), so the best prefix-hit TTFT is this pass, not zero."""
-    import torch.nn.functional as F
-
-    weights = [getattr(layer, n) for layer in model.layers for n in ("qkv", "o_proj", "gate_up", "down")]
-    weights.append(model.lm_head)
-    rows = {w.shape[1]: torch.randn(1, w.shape[1], dtype=model.dtype, device=model.device) for w in weights}
-    best = float("inf")
-    for _ in range(repeats):
-        _sync(model.device)
-        t0 = time.perf_counter()
-        for w in weights:
-            F.linear(rows[w.shape[1]], w)
-        _sync(model.device)
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
-def prefill_flops(model, lengths: list[int]) -> float:
-    """Useful FLOPs of prefilling sequences of ``lengths`` tokens: every layer's matmuls on every
-    token, causal attention (QK^T and PV over the keys at or before each query), the LM head on
-    each sequence's last token.  Padding is never counted."""
-    s = model.shape
-    per_token = 2 * sum(i * o for i, o in _linear_shapes(model)) * s.num_layers
-    attn = sum(4 * s.num_heads * s.head_dim * n * (n + 1) // 2 for n in lengths) * s.num_layers
-    head = 2 * s.hidden_size * s.vocab_size * len(lengths)
-    return per_token * sum(lengths) + attn + head
-
-
-def prefill_efficiency(llm, n=16, seed=0, rounds=3) -> dict:
-    """Prefill FLOP/s on the throughput prompts (prefix cache off, one output token each) over
-    the matmul peak measured here for the same shapes and dtype.
-
-    The two sides alternate: each of ``rounds`` rounds times one prefill of the prompts, then
-    measures the peak (best of 3 passes, :func:`matmul_peak`), so that both halves of a round's
-    ratio see the same minute of a shared machine.  Measured one after the other, the same code
-    read 106.6 / 143.5 and then 144.3 / 182.0 GFLOP/s on one 2-core machine a minute apart: the
-    peak itself moved 27%.  The figures returned are those of the median round (by its ratio),
-    with every round's beside them."""
-    eng = llm.engine
-    prompts = random_prompts(eng.model.shape.vocab_size, n, 32, 512, seed)
-    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    fresh = llm.fork(enable_prefix_caching=False)
-    fresh.generate(prompts[:2], one)
-    flops = prefill_flops(eng.model, list(map(len, prompts)))
-    step_tokens = min(sum(map(len, prompts)), eng.config.max_num_batched_tokens)
-    per_round = []
-    for _ in range(rounds):
-        seconds = _timed(lambda: fresh.generate(prompts, one), eng.device)[1]
-        peak = matmul_peak(eng.model, step_tokens)
-        per_round.append({"prefill_flops_per_s": flops / seconds, "matmul_peak_flops_per_s": peak,
-                          "prefill_over_peak": flops / seconds / peak, "prefill_s": seconds})
-    median = sorted(per_round, key=lambda r: r["prefill_over_peak"])[(rounds - 1) // 2]
-    return {**median, "rounds": per_round, "prefill_tokens": sum(map(len, prompts))}
-
-
 def _is_op(name: str) -> bool:
     """A dispatched operator: ATen's, oneDNN's packed matmuls (``matmuls.PackedMatmuls``) or minikv's C++ ops (``paged_cpu.py``: attention, norms, the few-row matmul)."""
     return name.startswith(("aten::", "mkldnn::", "minikv::"))
@@ -295,13 +208,9 @@ def format_engine(report: dict) -> list[str]:
         if "weight_pass_ms" in t:
             lines.append(f"  ttft floor: one row through every weight {t['weight_pass_ms']:8.1f} ms = "
                          f"{t['weight_pass_ms'] / t['miss_ms']:.3f} of the miss (a hit reads every weight once)")
-    for dtype, p in report.get("prefill_by_dtype", {}).items():
-        rounds = "  ".join(f"{r['prefill_flops_per_s'] / 1e9:.1f}/{r['matmul_peak_flops_per_s'] / 1e9:.1f}"
-                           for r in p.get("rounds", []))
-        lines.append(f"  prefill {dtype:<9} {p['prefill_flops_per_s'] / 1e9:8.1f} GFLOP/s   matmul peak "
-                     f"{p['matmul_peak_flops_per_s'] / 1e9:8.1f} GFLOP/s   prefill/peak {p['prefill_over_peak']:.2f}   "
-                     f"target >= {0.8 if dtype == 'float32' else 0.6}"
-                     + (f"   [median of {len(p['rounds'])} alternating rounds: {rounds} GFLOP/s]" if rounds else ""))
+    from .bench_prefill import format_prefill
+
+    lines += format_prefill(report.get("prefill_by_dtype", {}))
     if "ops" in report:
         o = report["ops"]
         for backend in [b for b in ("reference", "fused", "paged", "graphs") if b in o]:

@@ -47,6 +47,13 @@ def test_bench_report_holds_every_figure_beside_its_ratio(tmp_path, capsys):
         assert p in [{**r, "rounds": rounds, "prefill_tokens": p["prefill_tokens"]} for r in rounds]
         assert "median of 3 alternating rounds: " + "  ".join(
             f"{r['prefill_flops_per_s'] / 1e9:.1f}/{r['matmul_peak_flops_per_s'] / 1e9:.1f}" for r in rounds) in text
+        # each round's peak is the best of its passes, printed with the ratio over the median pass
+        for r in rounds:
+            passes = r["matmul_passes_flops_per_s"]
+            assert len(passes) == 3 and r["matmul_peak_flops_per_s"] == max(passes)
+            assert math.isclose(r["prefill_over_median_pass"], r["prefill_flops_per_s"] / sorted(passes)[1])
+        assert ("that round's matmul passes " + ", ".join(f"{v / 1e9:.1f}" for v in p["matmul_passes_flops_per_s"])
+                + f" GFLOP/s (peak = the best); prefill / median pass {p['prefill_over_median_pass']:.2f}") in text
     t = report["ttft"]
     assert t["hit_ms"] > 0 and t["miss_ms"] > 0
     assert math.isclose(t["ttft_hit_over_miss"], t["hit_ms"] / t["miss_ms"]) and t["repeats"] == 5
@@ -67,7 +74,7 @@ def test_bench_report_holds_every_figure_beside_its_ratio(tmp_path, capsys):
 
 
 def test_prefill_flops_count_matmuls_attention_and_head_without_padding():
-    from minikv.bench_engine import prefill_flops
+    from minikv.bench_prefill import prefill_flops
 
     m = LLM("tiny-random", device="cpu").engine.model
     s = m.shape

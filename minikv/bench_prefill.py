@@ -22,11 +22,10 @@ target stays on the best pass, the stricter of the two.
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
-from .bench_engine import _sync, _timed, random_prompts
+from .bench_engine import _timed, random_prompts
 from .engine import SamplingParams
 
 
@@ -43,22 +42,13 @@ def matmul_passes(model, tokens: int, repeats=3) -> list[float]:
     pairs = [(torch.randn(tokens, i, device=dev, dtype=dt), torch.randn(i, o, device=dev, dtype=dt))
              for i, o in _linear_shapes(model)]
     flops = sum(2 * tokens * b.shape[0] * b.shape[1] for _, b in pairs)
-    for a, b in pairs:  # warm-up
-        torch.matmul(a, b)
-    passes = []
-    for _ in range(repeats):
-        _sync(dev)
-        t0 = time.perf_counter()
+
+    def one_pass():
         for a, b in pairs:
             torch.matmul(a, b)
-        _sync(dev)
-        passes.append(flops / (time.perf_counter() - t0))
-    return passes
 
-
-def matmul_peak(model, tokens: int, repeats=3) -> float:
-    """The best of :func:`matmul_passes`: what ``torch.matmul`` reaches here on these shapes."""
-    return max(matmul_passes(model, tokens, repeats))
+    one_pass()  # warm-up
+    return [flops / _timed(one_pass, dev)[1] for _ in range(repeats)]
 
 
 def weight_pass_s(model, repeats=3) -> float:
@@ -71,15 +61,12 @@ def weight_pass_s(model, repeats=3) -> float:
     weights = [getattr(layer, n) for layer in model.layers for n in ("qkv", "o_proj", "gate_up", "down")]
     weights.append(model.lm_head)
     rows = {w.shape[1]: torch.randn(1, w.shape[1], dtype=model.dtype, device=model.device) for w in weights}
-    best = float("inf")
-    for _ in range(repeats):
-        _sync(model.device)
-        t0 = time.perf_counter()
+
+    def one_pass():
         for w in weights:
             F.linear(rows[w.shape[1]], w)
-        _sync(model.device)
-        best = min(best, time.perf_counter() - t0)
-    return best
+
+    return min(_timed(one_pass, model.device)[1] for _ in range(repeats))
 
 
 def prefill_flops(model, lengths: list[int]) -> float:

@@ -64,9 +64,10 @@ def bench_throughput(model: str, device, dtypes: list[str], n=16, max_tokens=64)
     return {d: throughput(LLM(model, device=device, dtype=d), path, n=n, max_tokens=max_tokens) for d in dtypes}
 
 
-def bench_prefill(model: str, device, dtypes: list[str]) -> dict:
-    """Prefill FLOP/s against the matmul peak measured here, per dtype (``bench_engine``)."""
-    return {d: prefill_efficiency(LLM(model, device=device, dtype=d)) for d in dtypes}
+def bench_prefill(model: str, device, dtypes: list[str], n=16) -> dict:
+    """Prefill FLOP/s of ``n`` prompts against the matmul peak measured here, per dtype
+    (:mod:`minikv.bench_prefill`)."""
+    return {d: prefill_efficiency(LLM(model, device=device, dtype=d), n=n) for d in dtypes}
 
 
 def bench_ttft(model: str, device, dtype, repeats=5, seed=0) -> dict:
@@ -179,13 +180,16 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--dtypes", default="float32,bfloat16",
                     help="dtypes of the throughput and prefill sections (comma-separated)")
-    ap.add_argument("--requests", type=int, default=16, help="requests of the throughput workload")
+    ap.add_argument("--requests", type=int, default=16, help="requests of the throughput and prefill workloads")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per request of the throughput workload")
     ap.add_argument("--only", default="throughput,ttft,prefill,ops,isolation",
                     help="comma-separated sections: " + ", ".join(sorted(SECTIONS)))
     ap.add_argument("--fairness-rounds", type=int, default=1, help="repeat the fairness sweep (gaps pooled)")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = ap.parse_args(argv)
+    for flag, value in (("--requests", args.requests), ("--max-tokens", args.max_tokens)):
+        if value < 1:
+            ap.error(f"{flag} must be at least 1, got {value}")
     sections = set(args.only.split(","))
     if sections - SECTIONS:
         ap.error(f"unknown section(s) {', '.join(sorted(sections - SECTIONS))}; choose from {', '.join(sorted(SECTIONS))}")
@@ -199,7 +203,7 @@ def main(argv=None) -> int:
     if "ttft" in sections:
         report["ttft"] = bench_ttft(args.model, args.device, args.dtype)
     if "prefill" in sections:
-        report["prefill_by_dtype"] = bench_prefill(args.model, args.device, dtypes)
+        report["prefill_by_dtype"] = bench_prefill(args.model, args.device, dtypes, args.requests)
     if "ops" in sections:
         report["ops"] = decode_ops(llm)
     if "isolation" in sections:

@@ -36,7 +36,11 @@ def test_bench_report_holds_every_figure_beside_its_ratio(tmp_path, capsys):
         assert t["backend"] == auto and t["repeats"] >= 2 and t["load_before"] >= 0
         assert t["requests"] == 4 and t["tokens_per_request"] == 8
         assert f"ratio {t['throughput_ratio']:.2f}" in text
+    from minikv.bench_engine import random_prompts
+
+    vocab = LLM("tiny-random", device="cpu").engine.model.shape.vocab_size
     for dtype, p in report["prefill_by_dtype"].items():
+        assert p["prefill_tokens"] == sum(map(len, random_prompts(vocab, 4, 32, 512, 0)))  # --requests 4 prompts
         assert p["prefill_flops_per_s"] > 0 and p["matmul_peak_flops_per_s"] > 0
         assert math.isclose(p["prefill_over_peak"], p["prefill_flops_per_s"] / p["matmul_peak_flops_per_s"])
         assert f"prefill/peak {p['prefill_over_peak']:.2f}" in text and f"prefill {dtype}" in text
@@ -71,6 +75,15 @@ def test_bench_report_holds_every_figure_beside_its_ratio(tmp_path, capsys):
     for backend in ("reference", "fused") + (("paged",) if auto == "paged" else ()):
         assert f"{backend:<9} {ops[backend]['ops']:6d}" in text
     assert f"{auto:<9} {ops[auto]['ops']:6d}   casts {ops[auto]['casts']:4d}   target <= 500" in text
+
+
+def test_bad_workload_sizes_are_refused_by_name(capsys):
+    import pytest
+
+    for flag in ("--requests", "--max-tokens"):
+        with pytest.raises(SystemExit) as exc:
+            main(["--model", "tiny-random", "--device", "cpu", flag, "0"])
+        assert exc.value.code == 2 and f"{flag} must be at least 1, got 0" in capsys.readouterr().err
 
 
 def test_prefill_flops_count_matmuls_attention_and_head_without_padding():

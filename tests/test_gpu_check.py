@@ -2,9 +2,10 @@
 so its own code must be known to work before then: these tests run it here, on the CPU.
 
 Without CUDA it must refuse (exit status 2: a GPU check that checked nothing has not passed).
-With ``--dry-run-cpu`` it runs its correctness steps on the CPU -- the random SmolLM2-shaped model,
-both backends against transformers in fp32 and bf16, greedy tokens, the ``-k cuda`` tests -- and
-its summary must say it was a dry run.
+With ``--dry-run-cpu`` it runs every step on the CPU -- the random SmolLM2-shaped model, both
+backends against transformers in fp32 and bf16, greedy tokens, the ``-k cuda`` tests, the bench on
+a small workload -- and its summary must say it was a dry run and hold every bench figure (the
+summary's code runs for the first time on a GPU otherwise, inside a lease of minutes).
 """
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ def test_without_cuda_it_refuses_with_status_2():
     assert "no CUDA device" in p.stdout
 
 
-def test_dry_run_on_the_cpu_runs_every_correctness_step():
-    p = _run("--dry-run-cpu", "--skip-bench")
+def test_dry_run_on_the_cpu_runs_every_step_and_summarizes_the_bench():
+    p = _run("--dry-run-cpu", "--requests", "2", "--max-tokens", "4")
     out = p.stdout
     assert p.returncode == 0, (out[-3000:], p.stderr[-3000:])
     summary = out[out.index("== gpu-check summary =="):]
@@ -47,3 +48,16 @@ def test_dry_run_on_the_cpu_runs_every_correctness_step():
         assert want in names, (want, names)
     assert all(status == "PASS" for status, _ in checks), summary
     assert not any("CUDA graphs" in name for name in names), "the CPU captures no graphs: nothing to claim"
+    assert "python -m minikv.bench --device cpu (bf16, fp32)" in names
+    # the bench's own report lines, every dtype and section the GPU run is asked for
+    for dtype in ("bfloat16", "float32"):
+        assert re.search(rf"^  throughput {dtype} .* tok/s .* ratio \d+\.\d\d", summary, flags=re.M), summary
+        assert re.search(rf"^  prefill {dtype} .* GFLOP/s .* prefill/peak \d+\.\d\d", summary, flags=re.M), summary
+    assert re.search(r"^  ttft prefix hit .* ms .* hit/miss \d+\.\d{3}", summary, flags=re.M), summary
+    for backend in ("reference", "fused"):
+        assert re.search(rf"^  ops .* per decode step \(batch 16\) {backend} +\d+", summary, flags=re.M), summary
+
+
+def test_bad_workload_sizes_are_refused_by_name():
+    p = _run("--dry-run-cpu", "--requests", "0", timeout=60)
+    assert p.returncode == 2 and "--requests must be at least 1, got 0" in p.stderr, p.stderr[-2000:]

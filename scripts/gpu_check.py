@@ -114,10 +114,12 @@ def check_correctness(path: Path, device: str = "cuda") -> list[tuple[str, bool,
 
 
 def run(cmd: list[str], timeout: int) -> tuple[int, str, float]:
+    """``cmd`` in the repository, with the repository first on ``PYTHONPATH`` and whatever was
+    on it kept after (packages carried to an offline GPU box often come in that way)."""
     t0 = time.perf_counter()
     try:
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                           env={**os.environ, "PYTHONPATH": str(ROOT)})
+                           env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))})
         return p.returncode, p.stdout + p.stderr, time.perf_counter() - t0
     except subprocess.TimeoutExpired as exc:
         return 124, f"timed out after {timeout} s\n{exc.stdout or ''}", time.perf_counter() - t0

@@ -53,3 +53,47 @@ def test_a_cpu_engine_keeps_freed_memory_for_the_next_allocation():
 def test_the_setting_can_be_turned_off():
     off = _run("engine", MINIKV_KEEP_FREED_MEMORY="0")
     assert off["applied"] is False and off["faults"] > 8000, off
+
+
+POOL_CODE = r"""
+import gc, json, sys, torch
+from minikv import LLM
+def rss_mib():
+    return int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) / 1024
+llm = LLM("tiny-random", dtype=sys.argv[1], device="cpu", num_blocks=int(sys.argv[2]))
+pool = llm.engine.pool
+zero = bool((pool._kv == 0).all())  # zero from the start, pad block included
+pool.k_cache.fill_(1.0)  # every page of the pool now resident (a pool in use)
+pool.v_cache.fill_(1.0)
+nbytes, mid = pool._kv.nbytes, rss_mib()
+del llm, pool
+gc.collect()  # an engine's objects point at each other: the cyclic collector frees it
+print(json.dumps({"zero": zero, "pool_mib": nbytes / 2**20, "given_back_mib": mid - rss_mib()}))
+"""
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_dead_pool_gives_its_memory_back_despite_the_kept_heap(dtype):
+    """The KV pool is the one big allocation that must *not* be kept: it lives on pages of its own
+    (``host_memory.mapped_zeros``), zero from the start, and the process's resident memory drops
+    by its size once the engine is gone, although the engine set the allocator to keep freed memory."""
+    out = subprocess.run([sys.executable, "-c", POOL_CODE, dtype, "40000"], capture_output=True, text=True,
+                         timeout=300, env=os.environ.copy())
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["zero"] is True, got
+    assert got["pool_mib"] > 100, got  # big enough to see in the resident size
+    assert got["given_back_mib"] > 0.9 * got["pool_mib"], got
+
+
+def test_mapped_zeros_is_a_writable_zero_tensor_of_the_asked_shape():
+    import torch
+
+    from minikv.engine.host_memory import mapped_zeros
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        t = mapped_zeros((3, 5, 7), dtype)
+        assert t.shape == (3, 5, 7) and t.dtype == dtype and t.is_contiguous() and bool((t == 0).all())
+        t[1, 2, 3] = 2.5
+        assert t.sum().item() == 2.5 and t.view(-1)[1 * 35 + 2 * 7 + 3].item() == 2.5
+    assert mapped_zeros((0, 4), torch.float32).shape == (0, 4)

@@ -39,6 +39,7 @@ from __future__ import annotations
 import torch
 
 from ..security.scrub import zero_blocks
+from .host_memory import mapped_zeros
 
 
 def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -61,8 +62,11 @@ class KVPool:
         # Zeros, never torch.empty: uninitialised memory would hold whatever the allocator had
         # before (another process's data on a GPU) and make every unmasked read irreproducible.
         # What scrubbing is about is different: data that *requests* wrote and then freed.
+        # On the CPU the zeros are pages of the pool's own, outside the heap (host_memory.py):
+        # already zero, and given back the moment the pool dies.
         shape = (num_layers, num_blocks + 2, block_size, 2, num_kv_heads, head_dim)  # + pad and scratch blocks
-        self._kv = torch.zeros(shape, dtype=dtype, device=self.device)
+        self._kv = (mapped_zeros(shape, dtype) if self.device.type == "cpu"
+                    else torch.zeros(shape, dtype=dtype, device=self.device))
         self._k, self._v = self._kv[:, :, :, 0], self._kv[:, :, :, 1]  # [layers, blocks + 2, bs, kv_heads, D]
         self.k_cache, self.v_cache = self._k[:, :num_blocks], self._v[:, :num_blocks]
         # Per-layer views with one row per slot, pad and scratch blocks included: what writes index

@@ -32,8 +32,8 @@ peaked at 10.1 GB resident with pools in the heap and at 5.1 GB with pools on th
 its prefill section at 8.5 and 4.2 GB.  (The first such run to be noticed, a ``make gpu-check``
 dry run under transformers 5.17, was killed past 15 GB on a 24 GB machine.)
 :func:`mapped_zeros` therefore gives the pool pages of its own, an anonymous ``mmap`` outside the
-heap: the kernel hands them out already zero (so nothing writes the gigabyte at start-up) and
-takes them back the moment the pool's tensor dies.
+heap: the kernel hands them out already zero, only as they are first written (a pool a lesson
+barely uses costs little), and takes them back the moment the pool's tensor dies.
 """
 from __future__ import annotations
 
@@ -83,5 +83,10 @@ def mapped_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:  # nothing to map (mmap refuses a length of 0)
         return torch.zeros(shape, dtype=dtype)
-    pages = mmap.mmap(-1, nbytes)  # private, anonymous: zero-filled by the kernel
+    # Private, anonymous, zero-filled by the kernel on first touch, not now: a pool's pages fault
+    # in as its blocks are first written, about 0.28 s per GiB on the 2-core CPU (12 us per token of
+    # SmolLM2 in fp32, under 1% of its prefill), once in the pool's life.  Populating all of it
+    # up front (MAP_POPULATE, 0.38 s per GiB) made every fork of a lesson or benchmark pay for
+    # pages it never used: the throughput section took 85 s instead of 49 (one run each).
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
     return torch.frombuffer(pages, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)

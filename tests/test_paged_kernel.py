@@ -236,8 +236,8 @@ def test_python_and_the_library_agree_on_the_head_dims():
 
 def test_smollm2_decode_step_dispatches_at_most_500_ops(smollm2_path):
     """Issue 11's target, counted the way ``python -m minikv.bench`` counts it: one decode step
-    of SmolLM2 at batch 16 (``torch.profiler``, top-level ops).  Measured: 484 in bf16, against
-    644 for the fused backend and 2,070 for the reference."""
+    of SmolLM2 at batch 16 (``torch.profiler``, top-level ops).  Measured: 405 in bf16, against
+    492 for the fused backend and 2,059 for the reference."""
     from minikv import LLM
     from minikv.bench_engine import count_decode_ops
 

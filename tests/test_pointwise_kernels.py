@@ -44,7 +44,7 @@ def rope_(qkv, cos, sin, heads):
 
 def _rope_tables(tokens, dim, seed):
     """cos and sin [T, 1, D] at scattered positions, rotate-half's sign folded into sin (as
-    ``attention_fused.build_plan`` makes them)."""
+    ``fused_plan.build_plan`` makes them)."""
     pos = torch.randperm(4 * tokens, generator=torch.Generator().manual_seed(seed))[:tokens].float()
     inv = 1.0 / (10000 ** (torch.arange(0, dim, 2).float() / dim))
     emb = torch.cat([pos[:, None] * inv] * 2, dim=-1)

@@ -9,7 +9,7 @@ minikv has two implementations of the same forward pass, chosen by
   ``seams.py`` (a decode mask, a KV-read observer): an engine with one installed runs it.
 * ``"fused"`` -- ``attention_fused``: the same arithmetic with the per-step work hoisted out
   of the layers.  Slot indices, gather indices, masks and RoPE tables are built once per step
-  (:class:`~minikv.engine.attention_fused.FusedPlan`); prefill, prefix-hit prefill and decode
+  (:class:`~minikv.engine.fused_plan.FusedPlan`); prefill, prefix-hit prefill and decode
   each run as one batched attention call per layer; residual adds ride on ``addmm``.  Pure
   PyTorch, no compilation, on every device.
 * ``"paged"`` -- ``"fused"``, except that decodes attend through minikv's C++ CPU kernel

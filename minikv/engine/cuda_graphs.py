@@ -1,7 +1,7 @@
 """CUDA graphs for decode-only steps: record the step's kernels once, replay them every step.
 
 **Why.**  A decode step of a small model is *launch-bound*: each token does little arithmetic,
-but the forward is hundreds of small operations.  The fused backend dispatches about 700 ops
+but the forward is hundreds of small operations.  The fused backend dispatches about 500 ops
 per decode step for SmolLM2 at batch 16 (counted with ``torch.profiler`` on the CPU, see
 ``minikv.bench_engine``); on a GPU each one is a kernel launch, a few microseconds of CPU time
 for a kernel that itself may run for less.  A CUDA graph records the whole sequence of launches
@@ -43,7 +43,8 @@ import math
 
 import torch
 
-from .attention_fused import Group, build_plan, decode_mask, fused_forward
+from .attention_fused import fused_forward
+from .fused_plan import Group, build_plan, decode_mask
 from .kv_pool import slot_of
 
 INPUTS = 4  # per row of the static buffer, before the block table: token, position, slot, context length
@@ -181,8 +182,8 @@ class DecodeGraphRunner:
         model, pool, bs = self.model, self.pool, self.block_size
 
         def step() -> torch.Tensor:
-            plan = build_plan(model, pos, slots, [], [], bs, pool.pad_block)  # slots + RoPE tables, no groups
             mask = decode_mask(ctx, nw * bs, model.dtype)  # [nb, 1, 1, nw * bs], as the eager decode group's
-            plan.groups.append(Group("decode", slice(0, nb), slice(0, nb), None, 1, table, mask))
+            group = Group("decode", slice(0, nb), slice(0, nb), None, 1, table, mask)
+            plan = build_plan(model, pos, slots, [], [], bs, pool.pad_block, extra_groups=(group,))
             return model.logits(fused_forward(model, ids, pool, plan))
         return step

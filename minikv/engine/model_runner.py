@@ -14,7 +14,8 @@ import torch
 
 from .attention import AttentionMetadata, PrefillItem
 from .attention_backends import FUSED
-from .attention_fused import build_plan, fused_forward, to_device
+from .attention_fused import fused_forward
+from .fused_plan import build_plan, to_device, to_device_split
 from .checks import show
 from .kv_pool import slot_of
 from .matmuls import logits as fused_logits
@@ -28,7 +29,7 @@ def prepare_inputs(prefills: list[Sequence], decodes: list[Sequence], block_size
     sequence i's last new token (prefills then decodes): the row we sample its next token from.
 
     ``meta`` is the reference backend's :class:`AttentionMetadata`, or, given ``model``, the fused
-    backend's :class:`~minikv.engine.attention_fused.FusedPlan`.  Decode block tables are padded
+    backend's :class:`~minikv.engine.fused_plan.FusedPlan`.  Decode block tables are padded
     with ``pad_block``, the pool's reserved always-zero block (``KVPool.pad_block``), never with
     a block some request owns.  ``paged``: the fused plan's decodes go to the C++ kernel
     (``paged_cpu.py``) as one group."""
@@ -44,8 +45,7 @@ def prepare_inputs(prefills: list[Sequence], decodes: list[Sequence], block_size
         slots.extend(slot_of(seq.block_table, p, block_size) for p in range(start, end))
         row_of[id(seq)] = len(ids) - 1
     last_rows = [row_of[id(seq)] for seq in prefills + (decodes_in_order if model is not None else decodes)]
-    input_ids, positions = to_device(ids, torch.long, device), to_device(pos, torch.long, device)
-    slots_t, last_rows_t = to_device(slots, torch.long, device), to_device(last_rows, torch.long, device)
+    input_ids, positions, slots_t, last_rows_t = to_device_split([ids, pos, slots, last_rows], device)
     if model is not None:
         dec = [(len(ids) - len(decodes) + i, s.num_tokens, s.block_table) for i, s in enumerate(decodes)]
         return input_ids, positions, build_plan(model, positions, slots_t, items, dec, block_size, pad_block,

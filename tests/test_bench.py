@@ -138,3 +138,24 @@ def test_trail_section_reports_bytes_per_request_at_each_level(capsys):
     assert main(["--model", "tiny-random", "--device", "cpu", "--only", "trail"]) == 0
     out = capsys.readouterr().out
     assert all(f"audit_level={level}" in out for level in AUDIT_LEVELS)
+
+
+def test_isolation_section_reports_every_cost_on_both_pools():
+    """Every key of the isolation section is there and a share of its whole (0 <= x < 1): hashing per
+    algorithm, scrubbing per policy on a resident and on a fresh pool, and the maxima the targets
+    read.  Bookkeeping, not timing: the figures themselves are the benchmark's to print."""
+    import math
+
+    from minikv.bench import bench_isolation
+
+    out = bench_isolation(LLM("tiny-random", device="cpu"), tenants=(1,))
+    keys = {f"hash_over_prefill[{a}]" for a in ("sha256", "hmac-sha256", "blake2b-keyed")}
+    keys |= {f"scrub_over_e2e{pool}[{p}]" for pool in ("", "_fresh_pool") for p in ("on_alloc", "on_free")}
+    keys |= {"hash_over_prefill", "scrub_over_e2e"}
+    assert keys <= set(out), keys - set(out)
+    for k in keys:
+        assert math.isfinite(out[k]) and 0 <= out[k] < 1, (k, out[k])
+    assert out["scrub_over_e2e"] == max(out["scrub_over_e2e[on_alloc]"], out["scrub_over_e2e[on_free]"])
+    assert out["scrub_over_e2e[on_alloc]"] > 0 and out["scrub_over_e2e[on_free]"] > 0  # both did zero blocks
+    text = format_report({"model": "m", "device": "cpu", "dtype": "float32", "threads": 1, "isolation": out})
+    assert all(k in text for k in keys)

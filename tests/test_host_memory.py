@@ -97,3 +97,55 @@ def test_mapped_zeros_is_a_writable_zero_tensor_of_the_asked_shape():
         t[1, 2, 3] = 2.5
         assert t.sum().item() == 2.5 and t.view(-1)[1 * 35 + 2 * 7 + 3].item() == 2.5
     assert mapped_zeros((0, 4), torch.float32).shape == (0, 4)
+
+
+def _faults_of_a_full_write(t) -> int:
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    t.fill_(3.0)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+@pytest.mark.parametrize("how", ["madvise", "touch"])
+def test_populate_faults_every_page_in_and_changes_no_byte(monkeypatch, how):
+    """After ``populate`` a full write of the tensor faults (almost) no page in; without it, every
+    page.  Counted in page faults, not timed.  ``touch`` is the fallback where madvise refuses."""
+    import torch
+
+    from minikv.engine import host_memory
+
+    if how == "touch":  # an advice number no kernel knows: madvise fails with EINVAL
+        monkeypatch.setattr(host_memory, "MADV_POPULATE_WRITE", 12345)
+    pages = (64 << 20) // 4096
+    cold = host_memory.mapped_zeros(((64 << 20) // 4,), torch.float32)
+    assert _faults_of_a_full_write(cold) > 0.9 * pages  # the control: lazy pages fault on first write
+    t = host_memory.mapped_zeros(((64 << 20) // 4,), torch.float32)
+    t[::1000] = torch.arange(t[::1000].numel(), dtype=torch.float32)  # some data, on some pages
+    before = t.clone()
+    assert host_memory.populate(t) == how
+    assert torch.equal(t, before)  # contents unchanged
+    assert _faults_of_a_full_write(t) < 0.05 * pages
+
+
+def test_populate_refuses_a_strided_tensor_by_its_strides():
+    import torch
+
+    from minikv.engine.host_memory import mapped_zeros, populate
+
+    with pytest.raises(ValueError, match=r"contiguous.*\(1, 4\)"):
+        populate(mapped_zeros((4, 4), torch.float32).t())
+
+
+def test_a_prefaulted_pool_keeps_its_blocks():
+    import torch
+
+    from minikv.engine.kv_pool import KVPool
+
+    pool = KVPool(2, 8, 4, 2, 8, torch.float32, "cpu")
+    pool.k_cache[0, 3] = 1.5
+    pool.v_cache[1, 5] = -2.0
+    k, v = pool.k_cache.clone(), pool.v_cache.clone()
+    assert pool.prefault() in ("madvise", "touch")
+    assert torch.equal(pool.k_cache, k) and torch.equal(pool.v_cache, v)
+    assert int(torch.count_nonzero(pool._kv[:, pool.pad_block])) == 0  # the pad block still zero

@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from ..security.scrub import zero_blocks
-from .host_memory import mapped_zeros
+from .host_memory import mapped_zeros, populate
 
 
 def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -90,6 +90,12 @@ class KVPool:
     def scratch_block(self) -> int:
         """Id of the reserved block that padding rows of graph-captured decode steps write (never read)."""
         return self.num_blocks + 1
+
+    def prefault(self) -> str:
+        """Make the whole pool resident now (CPU: :func:`host_memory.populate`; its contents do not
+        change), so that no later write pays a page fault.  A benchmark calls it to time the
+        steady state; on CUDA the memory is resident from ``torch.zeros`` on, and this does nothing."""
+        return populate(self._kv) if self.device.type == "cpu" else "resident"
 
     @property
     def nbytes(self) -> int:

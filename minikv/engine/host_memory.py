@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import math
 import mmap
 import os
@@ -48,9 +49,9 @@ import threading
 import torch
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
-MADV_POPULATE_WRITE = 23  # Linux >= 5.14 (mman-common.h); Python 3.11's mmap module lacks the name
 M_MMAP_MAX = -4
 TRIM_THRESHOLD_BYTES = 1 << 30
+MADV_POPULATE_WRITE = 23  # Linux >= 5.14 (mman-common.h); Python 3.11's mmap module lacks the name
 
 _lock = threading.Lock()
 _applied: bool | None = None
@@ -65,15 +66,23 @@ def keep_freed_memory() -> bool:
         return _applied
 
 
+@functools.lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL | None:
+    """The C library, loaded once (``None`` where it cannot be found or loaded)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    except (OSError, TypeError):
+        return None
+
+
 def _apply() -> bool:
     if os.environ.get("MINIKV_KEEP_FREED_MEMORY", "1") == "0":
         return False
-    name = ctypes.util.find_library("c")
+    libc = _libc()
     try:
-        libc = ctypes.CDLL(name)
         mallopt = libc.mallopt
         libc.gnu_get_libc_version  # glibc only: another libc's mallopt takes other numbers
-    except (OSError, AttributeError, TypeError):
+    except AttributeError:  # no libc (None), or not glibc
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1 and mallopt(M_MMAP_MAX, 0) == 1
@@ -103,29 +112,27 @@ def populate(t: torch.Tensor) -> str:
     fresh GiB page by page took 5.2 s in one run and 0.7 s in the next (most likely because the VM
     reports free pages back to its host, ``page_reporting`` on its kernel command line, and a page
     that went back costs the host a fault of its own), while asking the kernel for all the pages at
-    once took 0.34-0.37 s.  A long-running server pays this once in
-    its life; a benchmark that wants the steady state pays it before it starts the clock.
+    once took 0.34-0.37 s.  A long-running server pays this once in its
+    life; a benchmark that wants the steady state pays it before it starts the clock.
 
     Linux's ``madvise(MADV_POPULATE_WRITE)`` does exactly this in the kernel.  Elsewhere, or on an
     older kernel, each page gets one in-place ``add_(0)`` of one byte, which writes the byte back
     unchanged (the contents stay; do not call it while another thread writes ``t``).
     Returns how it was done: ``"madvise"`` or ``"touch"``.
     """
-    flat = t.view(-1).view(torch.uint8) if t.is_contiguous() else None
-    if flat is None:
+    if not t.is_contiguous():
         raise ValueError(f"populate needs a contiguous tensor, got strides {t.stride()}")
+    flat = t.view(-1).view(torch.uint8)
     if flat.numel() == 0:
         return "madvise"
     page = mmap.PAGESIZE
     start = flat.data_ptr() - flat.data_ptr() % page  # madvise wants a page-aligned start
     length = flat.data_ptr() + flat.numel() - start
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        if sys.platform.startswith("linux") and libc.madvise(start, length, MADV_POPULATE_WRITE) == 0:
+    madvise = getattr(_libc(), "madvise", None)
+    if madvise is not None and sys.platform.startswith("linux"):
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        if madvise(start, length, MADV_POPULATE_WRITE) == 0:
             return "madvise"
-    except (OSError, AttributeError, TypeError):
-        pass
     first = (page - flat.data_ptr() % page) % page  # the first byte of each page the tensor spans
     flat[:1].add_(0)
     flat[first::page].add_(0)

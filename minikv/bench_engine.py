@@ -71,6 +71,22 @@ def format_machine(info: dict) -> str:
             f"torch {info['torch']}{gpu}")
 
 
+def resident(llm):
+    """``llm`` with its KV pool made resident (:meth:`KVPool.prefault`), before anything is timed.
+
+    A CPU pool's pages are faulted in the first time each is written, and freed blocks go to the
+    back of the free list (as in vLLM), so every run of a workload on a young pool writes blocks
+    never written before: each prefill of the prefill section took 59,040 page faults (231 MB of
+    pool written for the first time), until the pool had been used all round.  What a fault costs depends on the
+    VM's moment (a fresh GiB took 0.7 s in one run and 5.2 s in another, ``host_memory.populate``),
+    so those faults moved every figure with a prefill in it, and not on both sides of a ratio:
+    transformers' buffers come from the heap its warm-up already touched.  A server that has been
+    up a while has touched its whole pool; the benchmark times that steady state, on every engine
+    it times (the isolation section also prints scrubbing on a fresh pool, where it differs most)."""
+    llm.engine.pool.prefault()
+    return llm
+
+
 def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -112,6 +128,8 @@ def throughput(llm, model_path, n=16, max_tokens=64, seed=0, repeats=2) -> dict:
     if eng.attention_backend == "paged":  # what the C++ kernels buy, side by side in the same run
         engines["fused"] = llm.fork(attention_backend="fused")
     engines["reference"] = ref
+    for e in engines.values():
+        resident(e)
     sides = {**{name: run(e) for name, e in engines.items()}, "transformers": run_hf}
     warm = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     for side in engines.values():

@@ -77,6 +77,30 @@ def test_bench_report_holds_every_figure_beside_its_ratio(tmp_path, capsys):
     assert f"{auto:<9} {ops[auto]['ops']:6d}   casts {ops[auto]['casts']:4d}   target <= 500" in text
 
 
+def test_every_timed_engine_runs_on_a_resident_pool(monkeypatch, capsys):
+    """The throughput, TTFT and prefill sections time no first-touch page faults: every engine they
+    run has had its pool prefaulted before its first request (bench_engine.resident)."""
+    from minikv.engine.kv_pool import KVPool
+
+    prefaulted, runs = set(), []
+    prefault, generate = KVPool.prefault, LLM.generate
+
+    def recording_prefault(pool):
+        prefaulted.add(id(pool))
+        return prefault(pool)
+
+    def recording_generate(llm, *a, **kw):
+        runs.append(id(llm.engine.pool) in prefaulted)
+        return generate(llm, *a, **kw)
+
+    monkeypatch.setattr(KVPool, "prefault", recording_prefault)
+    monkeypatch.setattr(LLM, "generate", recording_generate)
+    assert main(["--model", "tiny-random", "--device", "cpu", "--only", "throughput,ttft,prefill",
+                 "--dtypes", "float32", "--requests", "2", "--max-tokens", "2"]) == 0
+    assert len(runs) > 10 and all(runs), f"{runs.count(False)} of {len(runs)} runs on a pool not made resident"
+    assert "KV pools: resident before timing" in capsys.readouterr().out
+
+
 def test_bad_workload_sizes_are_refused_by_name(capsys):
     import pytest
 

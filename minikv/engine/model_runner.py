@@ -24,7 +24,7 @@ from .sequence import Sequence
 
 
 def prepare_inputs(prefills: list[Sequence], decodes: list[Sequence], block_size: int, device,
-                   pad_block: int, model=None, paged: bool = False):
+                   pad_block: int, model=None, paged: bool = False, causal_kernel: bool = False):
     """Returns ``(input_ids, positions, meta, last_rows)``; ``last_rows[i]`` is the flat row of
     sequence i's last new token (prefills then decodes): the row we sample its next token from.
 
@@ -32,7 +32,8 @@ def prepare_inputs(prefills: list[Sequence], decodes: list[Sequence], block_size
     backend's :class:`~minikv.engine.fused_plan.FusedPlan`.  Decode block tables are padded
     with ``pad_block``, the pool's reserved always-zero block (``KVPool.pad_block``), never with
     a block some request owns.  ``paged``: the fused plan's decodes go to the C++ kernel
-    (``paged_cpu.py``) as one group."""
+    (``paged_cpu.py``) as one group; ``causal_kernel`` (with ``paged``): its fresh prefills too,
+    to the prefill kernel (``fused_plan.build_plan`` says why ``score`` does not)."""
     if model is not None:  # fused: decode rows by context length, so groups of similar length are slices
         decodes_in_order, decodes = decodes, sorted(decodes, key=lambda s: s.num_tokens)
     ids, pos, slots, items, row_of = [], [], [], [], {}
@@ -49,7 +50,7 @@ def prepare_inputs(prefills: list[Sequence], decodes: list[Sequence], block_size
     if model is not None:
         dec = [(len(ids) - len(decodes) + i, s.num_tokens, s.block_table) for i, s in enumerate(decodes)]
         return input_ids, positions, build_plan(model, positions, slots_t, items, dec, block_size, pad_block,
-                                                  paged=paged), last_rows_t
+                                                  paged=paged, causal_kernel=causal_kernel), last_rows_t
     tables = lens = None
     if decodes:
         width = max(len(s.block_table) for s in decodes)
@@ -89,7 +90,8 @@ def run_model(engine, prefills: list[Sequence], decodes: list[Sequence], all_row
         return engine.graphs.run(decodes)  # decode-only on CUDA: one graph replay (cuda_graphs.py)
     input_ids, positions, meta, last_rows = prepare_inputs(
         prefills, decodes, engine.block_size, engine.device, engine.pool.pad_block,
-        engine.model if backend in FUSED else None, paged=backend == "paged")
+        engine.model if backend in FUSED else None, paged=backend == "paged",
+        causal_kernel=backend == "paged" and not all_rows)  # score (all_rows) keeps transformers' bits
     hidden = FORWARDS[backend](engine, input_ids, positions, meta)
     rows = hidden if all_rows else hidden[last_rows]
     if backend in FUSED:  # the LM head too may run on packed weights (matmuls.py)

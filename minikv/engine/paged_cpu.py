@@ -10,7 +10,9 @@ the CPU, about two hundred lines of C++: one task per (sequence, KV head), an on
 32 keys at a time, fp32 accumulation; read it, it is written to be read.  Beside it,
 ``kernels/pointwise.cpp`` has the two row-wise ops that PyTorch dispatches as several:
 RMSNorm (five ops, four temporaries) and SwiGLU's ``silu(gate) * up`` (two), each one pass here;
-and ``kernels/skinny_linear.cpp`` has a matmul for the few rows of a decode step or a prefix hit
+``kernels/prefill_attention.cpp`` has causal attention for every fresh prefill of a step in one
+call (the keys of a KV head packed once for its ``rep`` query heads, tiles of queries times blocks
+of keys, about twice SDPA's speed on the 2-core CPU); and ``kernels/skinny_linear.cpp`` has a matmul for the few rows of a decode step or a prefix hit
 (1-48 rows, fp32, AVX-512), where the matmul libraries leave most of the CPU idle.
 
 Every ``kernels/*.cpp`` is compiled into one library, so the ``paged`` backend has all of them or
@@ -173,6 +175,20 @@ def paged_decode(q, blocks, tables, ctx, scale: float):
     import torch
 
     return torch.ops.minikv.paged_decode(q, blocks, tables, ctx, scale)
+
+
+def prefill_attention(q, k, v, seqs, scale: float, out=None):
+    """Causal attention of every fresh prefill of a step, each over its own new keys, in one call
+    (``kernels/prefill_attention.cpp``).
+
+    ``q`` [T, q_heads, D], ``k``/``v`` [T, kv_heads, D] (last dims contiguous: views of the step's
+    qkv), ``seqs`` [S, 2] int64: (first row, length) of each sequence.  Writes those rows of
+    ``out`` ([T, q_heads * D], made here if None; other rows untouched) and returns it."""
+    import torch
+
+    if out is None:
+        out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+    return torch.ops.minikv.prefill_attention_(out, q, k, v, seqs, scale)
 
 
 def rms_norm(x, weight, eps: float):

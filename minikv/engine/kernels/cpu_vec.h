@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 namespace minikv_cpu {
 
@@ -24,12 +25,19 @@ using Vec = at::vec::Vectorized<float>;
 
 // n values as fp32 in dst: fp32 is copied; bf16 is widened (bf16 is the top half of an fp32, so
 // widening is a 16-bit shift, which the compiler vectorizes).  Kernels compute in fp32 either way.
+// The shifted bits become a float through memcpy, not through a uint32_t* into dst: a float read
+// after a uint32_t write may be reordered before it (strict aliasing), and was, into a stack
+// array of 16 floats in prefill_attention.cpp.
 inline void to_fp32(const float* src, float* dst, int64_t n) { std::copy(src, src + n, dst); }
 inline void to_fp32(const at::BFloat16* src, float* dst, int64_t n) {
   const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-  uint32_t* d = reinterpret_cast<uint32_t*>(dst);
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) d[i] = static_cast<uint32_t>(s[i]) << 16;
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(s[i]) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    dst[i] = f;
+  }
 }
 
 }  // namespace minikv_cpu

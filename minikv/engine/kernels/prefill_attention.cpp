@@ -1,9 +1,9 @@
 // minikv's causal prefill attention for the CPU: every fresh prefill of a step in one call.
 //
 // Why a kernel: a fresh prefill attends over its own new keys, causally.  SDPA's CPU flash kernel
-// does that one sequence at a time (one call per sequence per layer) at about 40 GFLOP/s of useful
-// work on the 2-core CPU, fp32, where the layers' matmuls reach 140-170: attention was 4.5% of
-// the benchmark prefill's FLOPs and 16% of its time (torch.profiler, SmolLM2, 16 prompts of
+// does that one sequence at a time (one call per sequence per layer) at 40-63 GFLOP/s of useful
+// work on the 2-core CPU, fp32, from run to run, where the layers' matmuls reach 140-170: attention
+// was 4.5% of the benchmark prefill's FLOPs and 16% of its time (torch.profiler, SmolLM2, 16 prompts of
 // 32-512 tokens).  Two things it leaves on the table, both taken here:
 //
 // * Grouped-query attention shares keys: the `rep` query heads of one KV head (3 in SmolLM2)
@@ -45,8 +45,8 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // A loaded vector, kept in a register.  Without this GCC folds the load into every FMA that uses
 // it (one memory operand per row of the micro-tile), and the loop runs at the CPU's load rate,
-// not its FMA rate: on the 2-core AMD EPYC, 16 zmm loads per 16 FMAs took this kernel from about
-// 36 to 54 GFLOP/s per core (fp32, one 512-token sequence: 73 to 107 GFLOP/s on both cores).
+// not its FMA rate: on the 2-core AMD EPYC, with 16 zmm loads per 16 FMAs this kernel ran one
+// 512-token sequence in fp32 at 73 GFLOP/s on both cores; with the loads pinned, at 107.
 inline Vec pinned(const float* p) {
   Vec x = Vec::loadu(p);
 #if defined(CPU_CAPABILITY_AVX512)

@@ -60,7 +60,8 @@ def resolve_backend(name: str, device_type: str, head_dim: int | None = None, dt
     return "fused"
 
 
-# What the C++ kernel is instantiated for (kernels/paged_attention.cpp, ``decode_any``).
+# What the C++ attention kernels are instantiated for (kernels/cpu_vec.h, ``HeadDims``: the decode and
+# prefill kernels share the list).
 KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)
 KERNEL_DTYPES = ("float32", "bfloat16")
 

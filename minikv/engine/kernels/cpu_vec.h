@@ -18,6 +18,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 namespace minikv_cpu {
 
@@ -39,5 +41,22 @@ inline void to_fp32(const at::BFloat16* src, float* dst, int64_t n) {
     dst[i] = f;
   }
 }
+
+// The head dims the attention kernels are instantiated for, written once: both kernels check and
+// dispatch through this list, and paged_decode_head_dims() reports it (Python's
+// attention_backends.KERNEL_HEAD_DIMS is tested against that), so the "paged" backend's decode and
+// prefill kernels take exactly the same models.
+template <int64_t... Ds>
+struct HeadDimList {
+  static bool has(int64_t d) { return ((d == Ds) || ...); }
+  static std::vector<int64_t> list() { return {Ds...}; }
+  // f(std::integral_constant<int64_t, D>{}) for the D equal to d (check has(d) first: then exactly
+  // one case runs), so a kernel gets its head dim as a compile-time constant.
+  template <typename F>
+  static void dispatch(int64_t d, F&& f) {
+    ((d == Ds ? (f(std::integral_constant<int64_t, Ds>{}), true) : false) || ...);
+  }
+};
+using HeadDims = HeadDimList<16, 32, 64, 128, 256>;
 
 }  // namespace minikv_cpu

@@ -31,6 +31,7 @@
 
 namespace {
 
+using minikv_cpu::HeadDims;
 using minikv_cpu::to_fp32;
 using minikv_cpu::Vec;
 
@@ -142,23 +143,7 @@ void decode(const at::Tensor& q, const at::Tensor& blocks, const at::Tensor& tab
   });
 }
 
-// The head dims the kernel is instantiated for, written once: the check below, the dispatch and
-// paged_decode_head_dims() (which Python's attention_backends.KERNEL_HEAD_DIMS is tested against)
-// all read this list.
-template <int64_t... Ds>
-struct HeadDims {
-  static bool has(int64_t d) { return ((d == Ds) || ...); }
-  static std::vector<int64_t> list() { return {Ds...}; }
-  template <typename T>
-  static void decode_any(const at::Tensor& q, const at::Tensor& blocks, const at::Tensor& tables,
-                         const at::Tensor& ctx, float scale, at::Tensor& out) {
-    const int64_t d = q.size(2);  // checked by has() before we get here: exactly one case runs
-    ((d == Ds ? (decode<T, Ds>(q, blocks, tables, ctx, scale, out), true) : false) || ...);
-  }
-};
-using Supported = HeadDims<16, 32, 64, 128, 256>;
-
-std::vector<int64_t> paged_decode_head_dims() { return Supported::list(); }
+std::vector<int64_t> paged_decode_head_dims() { return HeadDims::list(); }
 
 at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& blocks, const at::Tensor& tables,
                         const at::Tensor& ctx, double scale) {
@@ -170,7 +155,7 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& blocks, const at:
   const int64_t S = q.size(0), Hkv = blocks.size(3), D = q.size(2), bs = blocks.size(1);
   TORCH_CHECK(blocks.size(4) == D && Hkv > 0 && q.size(1) % Hkv == 0,
               "paged_decode: ", q.size(1), " query heads of dim ", D, " do not fit ", Hkv, " KV heads of dim ", blocks.size(4));
-  TORCH_CHECK(Supported::has(D), "paged_decode: head_dim ", D, " is not one of ", at::IntArrayRef(Supported::list()));
+  TORCH_CHECK(HeadDims::has(D), "paged_decode: head_dim ", D, " is not one of ", at::IntArrayRef(HeadDims::list()));
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == S && tables.scalar_type() == at::kLong && tables.is_contiguous(),
               "paged_decode: tables must be a contiguous int64 [S, W] with S = ", S, ", got ", tables.sizes(), " ", tables.scalar_type());
   TORCH_CHECK(ctx.dim() == 1 && ctx.size(0) == S && ctx.scalar_type() == at::kLong && ctx.is_contiguous(),
@@ -185,10 +170,13 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& blocks, const at:
       TORCH_CHECK(tp[s * W + b] >= 0 && tp[s * W + b] < nb, "paged_decode: sequence ", s, " names block ", tp[s * W + b], " of a pool of ", nb);
   }
   at::Tensor out = at::empty({S, q.size(1) * D}, q.options().memory_format(at::MemoryFormat::Contiguous));
-  if (q.scalar_type() == at::kFloat)
-    Supported::decode_any<float>(q, blocks, tables, ctx, static_cast<float>(scale), out);
-  else
-    Supported::decode_any<at::BFloat16>(q, blocks, tables, ctx, static_cast<float>(scale), out);
+  const float sc = static_cast<float>(scale);
+  HeadDims::dispatch(D, [&](auto d) {
+    if (q.scalar_type() == at::kFloat)
+      decode<float, decltype(d)::value>(q, blocks, tables, ctx, sc, out);
+    else
+      decode<at::BFloat16, decltype(d)::value>(q, blocks, tables, ctx, sc, out);
+  });
   return out;
 }
 

@@ -34,6 +34,7 @@
 
 namespace {
 
+using minikv_cpu::HeadDims;
 using minikv_cpu::to_fp32;
 using minikv_cpu::Vec;
 
@@ -186,18 +187,6 @@ void prefill(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, cons
   });
 }
 
-template <int64_t... Ds>
-struct PrefillDims {
-  static bool has(int64_t d) { return ((d == Ds) || ...); }
-  template <typename T>
-  static void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& seqs,
-                  float scale, at::Tensor& out) {
-    const int64_t d = q.size(2);
-    ((d == Ds ? (prefill<T, Ds>(q, k, v, seqs, scale, out), true) : false) || ...);
-  }
-};
-using Dims = PrefillDims<16, 32, 64, 128, 256>;  // paged_attention.cpp's list: the "paged" backend takes both or neither
-
 at::Tensor& prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& seqs, double scale) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && q.stride(2) == 1 && k.stride(2) == 1 && v.stride(2) == 1,
@@ -209,7 +198,7 @@ at::Tensor& prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::T
   TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
               (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16),
               "prefill_attention: q, k, v must all be float32 or all bfloat16, got ", q.scalar_type(), ", ", k.scalar_type(), ", ", v.scalar_type());
-  TORCH_CHECK(Dims::has(D), "prefill_attention: head_dim ", D, " is not one of 16, 32, 64, 128, 256");
+  TORCH_CHECK(HeadDims::has(D), "prefill_attention: head_dim ", D, " is not one of ", at::IntArrayRef(HeadDims::list()));
   TORCH_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == Hq * D && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
               "prefill_attention: out must be a contiguous ", q.scalar_type(), " [", T, ", ", Hq * D, "], got ", out.sizes(), " ", out.scalar_type());
   TORCH_CHECK(seqs.dim() == 2 && seqs.size(1) == 2 && seqs.scalar_type() == at::kLong && seqs.is_contiguous(),
@@ -218,10 +207,13 @@ at::Tensor& prefill_attention_(at::Tensor& out, const at::Tensor& q, const at::T
   for (int64_t s = 0; s < seqs.size(0); ++s)  // the kernel trusts these with raw pointers
     TORCH_CHECK(sp[2 * s] >= 0 && sp[2 * s + 1] >= 1 && sp[2 * s] + sp[2 * s + 1] <= T && sp[2 * s + 1] < (int64_t(1) << 31),
                 "prefill_attention: sequence ", s, " (first row ", sp[2 * s], ", length ", sp[2 * s + 1], ") does not lie in the ", T, " rows");
-  if (q.scalar_type() == at::kFloat)
-    Dims::run<float>(q, k, v, seqs, static_cast<float>(scale), out);
-  else
-    Dims::run<at::BFloat16>(q, k, v, seqs, static_cast<float>(scale), out);
+  const float sc = static_cast<float>(scale);
+  HeadDims::dispatch(D, [&](auto d) {
+    if (q.scalar_type() == at::kFloat)
+      prefill<float, decltype(d)::value>(q, k, v, seqs, sc, out);
+    else
+      prefill<at::BFloat16, decltype(d)::value>(q, k, v, seqs, sc, out);
+  });
   return out;
 }
 

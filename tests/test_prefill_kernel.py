@@ -152,38 +152,35 @@ def test_bad_input_is_refused_with_the_bad_value_named(change, message):
     assert torch.equal(args["out"], before)  # nothing written
 
 
-def _plan_kinds(llm, prompts):
-    """The group kinds of the plan of ``llm``'s first step over ``prompts`` (all fresh prefills)."""
-    from minikv.engine import fused_plan
+def _plan_kinds(monkeypatch, llm, prompts):
+    """The group kinds of every plan ``llm`` builds for a generate over ``prompts`` (all fresh
+    prefills), then for a ``score`` of the first."""
+    from minikv import SamplingParams
+    from minikv.engine import model_runner
 
-    kinds = []
-    build = fused_plan.build_plan
+    kinds, build = [], model_runner.build_plan
 
     def recording(*a, **kw):
         plan = build(*a, **kw)
         kinds.append([g.kind for g in plan.groups])
         return plan
 
-    fused_plan.build_plan, saved = recording, build
-    import minikv.engine.model_runner as runner
-    runner.build_plan, saved_runner = recording, runner.build_plan
-    try:
-        from minikv import SamplingParams
+    with monkeypatch.context() as m:
+        m.setattr(model_runner, "build_plan", recording)  # the name the engine calls it by
         llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0))
         llm.engine.score(prompts[0])
-    finally:
-        fused_plan.build_plan, runner.build_plan = saved, saved_runner
     return kinds
 
 
-def test_paged_engine_plans_fresh_prefills_as_one_kernel_call_and_score_keeps_sdpa():
+def test_paged_engine_plans_fresh_prefills_as_one_kernel_call_and_score_keeps_sdpa(monkeypatch):
     from minikv import LLM
 
     llm = LLM("tiny-random", dtype="float32", device="cpu", attention_backend="paged")
-    kinds = _plan_kinds(llm, [[30 + i for i in range(n)] for n in (5, 40, 17)])
+    kinds = _plan_kinds(monkeypatch, llm, [[30 + i for i in range(n)] for n in (5, 40, 17)])
     assert kinds[0] == ["causal"], kinds  # generation: the three prefills in one group
     assert kinds[-1] == ["fresh"], kinds  # score: SDPA, transformers' op sequence
-    fused = _plan_kinds(LLM("tiny-random", dtype="float32", device="cpu", attention_backend="fused"), [[30] * 9, [31] * 4])
+    fused = _plan_kinds(monkeypatch, LLM("tiny-random", dtype="float32", device="cpu", attention_backend="fused"),
+                        [[30] * 9, [31] * 4])
     assert fused[0] == ["fresh", "fresh"]  # no kernels: one SDPA per sequence, as before
 
 

@@ -15,7 +15,7 @@
 #                 installed without pins, frozen); review the diff, then `make test`
 # Installs are pinned: .venv gets exactly the versions in constraints.txt, and is
 # re-installed when pyproject.toml or constraints.txt changes.
-# Knobs: PYTHON (base interpreter), PORT, PYTEST_ARGS, MINIKV_HOME (model cache),
+# Knobs: PYTHON (base interpreter), PORT, PYTEST_ARGS, GPU_CHECK_ARGS (e.g. --report DIR), MINIKV_HOME (model cache),
 #        MINIKV_TORCH=system (reuse the base python's torch), see scripts/bootstrap.py.
 
 PYTHON ?= python3
@@ -103,8 +103,8 @@ bench: model
 # network for pip (the device machines here have none): use it as it is when it can; else .venv.
 gpu-check:
 	@if $(PYTHON) -c "import torch, transformers, pytest; assert torch.cuda.is_available()" 2>/dev/null; then \
-	  echo "[gpu-check] using $(PYTHON)'s own CUDA torch"; PYTHONPATH=. $(PYTHON) scripts/gpu_check.py; \
-	else $(MAKE) --no-print-directory setup && $(PY) scripts/gpu_check.py; fi
+	  echo "[gpu-check] using $(PYTHON)'s own CUDA torch"; PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} $(PYTHON) scripts/gpu_check.py $(GPU_CHECK_ARGS); \
+	else $(MAKE) --no-print-directory setup && $(PY) scripts/gpu_check.py $(GPU_CHECK_ARGS); fi
 
 bench-peers: model
 	@[ -x .venv-vllm/bin/python ] || { echo "bench-peers needs .venv-vllm: run make vllm first"; exit 2; }

@@ -1,6 +1,6 @@
 """``make gpu-check``: every CUDA check of issue 11 in one command, with a summary at the end.
 
-    .venv/bin/python scripts/gpu_check.py [--keep DIR] [--skip-bench]
+    .venv/bin/python scripts/gpu_check.py [--keep DIR] [--skip-bench] [--report DIR]
 
 No network and no SmolLM2 checkpoint are needed: the script builds a random-weight Llama with
 SmolLM2-135M's shapes (30 layers, hidden 576, 9 query / 3 KV heads, vocabulary 49,152; seeded)
@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import zlib
 from pathlib import Path
 
@@ -68,6 +69,19 @@ def build_random_smollm2(out: Path) -> Path:
     return out
 
 
+def attempt(results: list, name: str, fn) -> None:
+    """Run one check, ``fn() -> (ok, detail)``, and record it.  A check that raises is a FAIL
+    with the exception named (and its traceback printed), and the checks after it still run: a
+    GPU session has minutes, so one broken check must not hide what the others would say."""
+    try:
+        ok, detail = fn()
+    except Exception as exc:  # noqa: BLE001 -- any failure of a check is that check's FAIL
+        traceback.print_exc()
+        ok, detail = False, f"raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    results.append((name, ok, detail))
+    print(f"  {'PASS' if ok else 'FAIL'}  {name}: {detail}", flush=True)
+
+
 def check_correctness(path: Path, device: str = "cuda") -> list[tuple[str, bool, str]]:
     """minikv (both backends) against transformers on ``device`` (the GPU; the CPU for a dry run), fp32 and bf16."""
     import random
@@ -77,7 +91,7 @@ def check_correctness(path: Path, device: str = "cuda") -> list[tuple[str, bool,
 
     from minikv import LLM, SamplingParams
 
-    results = []
+    results: list[tuple[str, bool, str]] = []
     rng = random.Random(0)
     ids = [rng.randrange(1000, 48000) for _ in range(300)]
     prompts = [[rng.randrange(1000, 48000) for _ in range(n)] for n in (17, 64, 200, 333)]
@@ -86,27 +100,36 @@ def check_correctness(path: Path, device: str = "cuda") -> list[tuple[str, bool,
         with torch.no_grad():
             want = hf(torch.tensor([ids], device=device)).logits[0].float()
         scale = want.abs().max().item()
-        for backend in ("reference", "fused"):
+
+        def score(backend, dtype=dtype, tol=tol):
             llm = LLM(str(path), device=device, dtype=dtype, attention_backend=backend)
             diff = (llm.engine.score(ids) - want).abs().max().item()
             limit = tol * scale
-            results.append((f"score {dtype} {backend} vs transformers", diff <= limit,
-                            f"max |diff| {diff:.3g} (limit {limit:.3g}, largest logit {scale:.3g})"))
+            return diff <= limit, f"max |diff| {diff:.3g} (limit {limit:.3g}, largest logit {scale:.3g})"
+        for backend in ("reference", "fused"):
+            attempt(results, f"score {dtype} {backend} vs transformers", lambda b=backend: score(b))
         if dtype == "float32":  # greedy tokens of a batch, fused backend
-            llm = LLM(str(path), device=device, dtype=dtype, attention_backend="fused")
-            got = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))]
-            same = 0
-            for p, g in zip(prompts, got):
-                with torch.no_grad():
-                    out = hf.generate(torch.tensor([p], device=device), max_new_tokens=16, min_new_tokens=16,
-                                      do_sample=False, pad_token_id=2)
-                same += out[0, len(p):].tolist() == g
-            results.append(("greedy tokens fp32 (fused, batch of 4) == transformers", same == len(prompts),
-                            f"{same}/{len(prompts)} sequences identical"))
-            g = llm.engine.graphs  # those decode steps ran as CUDA graph replays (cuda_graphs.py)
+            llm = None
+
+            def greedy(hf=hf):
+                nonlocal llm
+                llm = LLM(str(path), device=device, dtype=dtype, attention_backend="fused")
+                got = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))]
+                same = 0
+                for p, g in zip(prompts, got):
+                    with torch.no_grad():
+                        out = hf.generate(torch.tensor([p], device=device), max_new_tokens=16, min_new_tokens=16,
+                                          do_sample=False, pad_token_id=2)
+                    same += out[0, len(p):].tolist() == g
+                return same == len(prompts), f"{same}/{len(prompts)} sequences identical"
+            attempt(results, "greedy tokens fp32 (fused, batch of 4) == transformers", greedy)
+
+            def graphs():  # those decode steps ran as CUDA graph replays (cuda_graphs.py)
+                g = llm.engine.graphs if llm is not None else None
+                return (g is not None and g.replays > 0,
+                        f"{g.captures} captures, {g.replays} replays" if g is not None else "no graph runner")
             if device == "cuda":  # the CPU never captures graphs: nothing to check in a dry run
-                results.append(("CUDA graphs ran the decode steps", g is not None and g.replays > 0,
-                                f"{g.captures} captures, {g.replays} replays" if g is not None else "no graph runner"))
+                attempt(results, "CUDA graphs ran the decode steps", graphs)
         del hf
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -129,6 +152,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--keep", help="build the model in this directory and keep it")
     ap.add_argument("--skip-bench", action="store_true", help="correctness and tests only")
+    ap.add_argument("--report", help="also write the bench's JSON report and the summary (JSON) into this directory")
     ap.add_argument("--dry-run-cpu", action="store_true",
                     help="run every step on the CPU instead: checks this script and its imports before a GPU "
                          "session spends its minutes on them; it checks nothing about CUDA")
@@ -160,6 +184,8 @@ def main(argv=None) -> int:
                              "tests/test_attention_fused.py", "tests/test_attention_pad_block.py",
                              "tests/test_sampling_batched.py", "tests/test_cuda_graphs.py"], timeout=150)
         tail = out.strip().splitlines()[-1] if out.strip() else ""
+        if rc != 0:  # the failures themselves, not just the count: the session may not get a second run
+            print("\n".join(out.strip().splitlines()[-120:]), flush=True)
         results.append(("pytest -k cuda (attention, pad block, sampling, graphs)", rc == 0, f"{tail} ({secs:.0f} s)"))
         bench = {}
         if not args.skip_bench:
@@ -171,12 +197,21 @@ def main(argv=None) -> int:
             print(out, flush=True)
             results.append((f"python -m minikv.bench --device {device} (bf16, fp32)", rc == 0, f"exit {rc} ({secs:.0f} s)"))
             bench = json.loads(report.read_text()) if rc == 0 else {}
+            if args.report and rc == 0:
+                Path(args.report).mkdir(parents=True, exist_ok=True)
+                (Path(args.report) / "bench.json").write_text(report.read_text())
     print("\n== gpu-check summary ==" + (" (DRY RUN on the CPU: the script ran, no GPU was checked)" if device == "cpu" else ""))
     for name, ok, detail in results:
         print(f"  {'PASS' if ok else 'FAIL'}  {name}: {detail}")
     for line in format_engine(bench):  # the bench's own report lines: every figure beside its ratio
         print(line)
-    print(f"  total {time.perf_counter() - start:.0f} s (budget 360 s)")
+    total = time.perf_counter() - start
+    print(f"  total {total:.0f} s (budget 360 s)")
+    if args.report:
+        Path(args.report).mkdir(parents=True, exist_ok=True)
+        (Path(args.report) / "summary.json").write_text(json.dumps(
+            {"device": where, "torch": torch.__version__, "seconds": round(total, 1),
+             "checks": [{"name": n, "ok": ok, "detail": d} for n, ok, d in results]}, indent=1))
     return 0 if all(ok for _, ok, _ in results) else 1
 
 

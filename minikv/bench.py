@@ -46,7 +46,8 @@ import warnings
 
 import torch
 
-from .bench_engine import decode_ops, format_engine, format_machine, machine_info, random_prompts, resident, throughput
+from .bench_engine import (completed, decode_ops, format_engine, format_machine, machine_info, random_prompts, resident,
+                           throughput)
 from .bench_prefill import prefill_efficiency, weight_pass_s
 from .engine import SamplingParams, UnsafeSettingWarning
 from .llm import LLM
@@ -84,11 +85,11 @@ def bench_ttft(model: str, device, dtype, repeats=5, seed=0) -> dict:
     llm.generate([system + questions[-1]], p1)  # warm-up and prime the cache
     hits, misses = [], []
     for i in range(repeats):
-        hit = llm.generate([system + questions[i]], p1, tenant=None)[0]
+        hit = completed(llm.generate([system + questions[i]], p1, tenant=None))[0]
         assert hit.num_cached_tokens >= 992, hit.num_cached_tokens
         hits.append(hit.metrics.ttft_s)
         fresh = [t ^ 1 for t in system]  # same length, never cached
-        miss = llm.generate([fresh + questions[repeats + i]], p1, tenant=f"miss-{i}")[0]
+        miss = completed(llm.generate([fresh + questions[repeats + i]], p1, tenant=f"miss-{i}"))[0]
         assert miss.num_cached_tokens == 0
         misses.append(miss.metrics.ttft_s)
     return {"ttft_hit_over_miss": statistics.median(hits) / statistics.median(misses), "repeats": repeats,
@@ -108,7 +109,7 @@ def bench_isolation(llm: LLM, tenants=(1, 4, 16, 64), seed=0) -> dict:
     # Prefill time of this prompt (no cache) vs the time to hash all its blocks, per algorithm.
     p1 = SamplingParams(max_tokens=1, temperature=0.0)
     llm.generate([prompt[:64]], p1)
-    prefill = statistics.median(llm.generate([prompt], p1)[0].metrics.ttft_s for _ in range(3))
+    prefill = statistics.median(completed(llm.generate([prompt], p1))[0].metrics.ttft_s for _ in range(3))
     key = b"t" * 32
     for algo in ("sha256", "hmac-sha256", "blake2b-keyed"):
         h = make_hasher(algo, b"s" * 32)

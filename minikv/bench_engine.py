@@ -87,6 +87,19 @@ def resident(llm):
     return llm
 
 
+def completed(outputs: list) -> list:
+    """``outputs``, once none of its requests failed.  The engine finishes a request whose forward
+    raised with ``finish_reason="error"`` and keeps serving the rest (``step_guard.py``), so a
+    benchmark that only counted tokens would time failures and print their speed: on an H200 the
+    fp32 runs once "ran" at 102 tok/s with every request failed.  A failed request stops the
+    benchmark instead, naming it and its error."""
+    bad = [o for o in outputs if o.outputs[0].finish_reason == "error"]
+    if bad:
+        raise RuntimeError(f"{len(bad)} of {len(outputs)} benchmark requests failed, the first "
+                           f"({bad[0].request_id!r}): {bad[0].outputs[0].error}")
+    return outputs
+
+
 def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -122,7 +135,7 @@ def throughput(llm, model_path, n=16, max_tokens=64, seed=0, repeats=2) -> dict:
         return (out.shape[1] - width) * n
 
     def run(engine_llm):
-        return lambda: sum(len(o.outputs[0].token_ids) for o in engine_llm.generate(prompts, params))
+        return lambda: sum(len(o.outputs[0].token_ids) for o in completed(engine_llm.generate(prompts, params)))
 
     engines = {"minikv": llm}
     if eng.attention_backend == "paged":  # what the C++ kernels buy, side by side in the same run

@@ -25,7 +25,7 @@ import statistics
 
 import torch
 
-from .bench_engine import _timed, random_prompts, resident
+from .bench_engine import _timed, completed, random_prompts, resident
 from .engine import SamplingParams
 
 
@@ -100,7 +100,7 @@ def prefill_efficiency(llm, n=16, seed=0, rounds=3, passes=3) -> dict:
     step_tokens = min(sum(map(len, prompts)), eng.config.max_num_batched_tokens)
     per_round = []
     for _ in range(rounds):
-        seconds = _timed(lambda: fresh.generate(prompts, one), eng.device)[1]
+        seconds = _timed(lambda: completed(fresh.generate(prompts, one)), eng.device)[1]
         tried = matmul_passes(eng.model, step_tokens, passes)
         rate, peak = flops / seconds, max(tried)
         per_round.append({"prefill_flops_per_s": rate, "matmul_peak_flops_per_s": peak,

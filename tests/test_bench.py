@@ -101,6 +101,24 @@ def test_every_timed_engine_runs_on_a_resident_pool(monkeypatch, capsys):
     assert "KV pools: resident before timing" in capsys.readouterr().out
 
 
+def test_a_benchmark_whose_requests_fail_stops_instead_of_timing_them(monkeypatch):
+    """Each timed section refuses outputs that finished with ``finish_reason="error"`` (the engine
+    serves on when a forward raises): on an H200 a broken fp32 path once printed 102 tok/s for
+    requests that had all failed.  Here every fused/paged forward raises, as that path did."""
+    import pytest
+
+    from minikv.engine import attention_fused
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("view size is not compatible with input tensor's size and stride")
+
+    monkeypatch.setattr(attention_fused, "attend", broken)
+    for section in ("throughput", "ttft", "prefill"):
+        with pytest.raises(RuntimeError, match=r"benchmark requests failed, the first .*view size is not compatible"):
+            main(["--model", "tiny-random", "--device", "cpu", "--only", section, "--dtypes", "float32",
+                  "--requests", "2", "--max-tokens", "2"])
+
+
 def test_bad_workload_sizes_are_refused_by_name(capsys):
     import pytest
 

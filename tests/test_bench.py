@@ -75,6 +75,14 @@ def test_bench_report_holds_every_figure_beside_its_ratio(tmp_path, capsys):
     for backend in ("reference", "fused") + (("paged",) if auto == "paged" else ()):
         assert f"{backend:<9} {ops[backend]['ops']:6d}" in text
     assert f"{auto:<9} {ops[auto]['ops']:6d}   casts {ops[auto]['casts']:4d}   target <= 500" in text
+    # issue 11's targets are the CPU's: a GPU report prints each one as "CPU target", none as its own
+    from minikv.bench_engine import format_engine
+
+    cpu_lines, gpu_lines = format_engine(report), format_engine({**report, "device": "cuda"})
+    targets = [line for line in cpu_lines if "target " in line]
+    assert len(targets) == 2 + 1 + 2 + 1  # throughput x2 dtypes, TTFT, prefill x2 dtypes, ops
+    assert not any("CPU target" in line for line in cpu_lines)
+    assert [line.replace("target ", "CPU target ") for line in cpu_lines] == gpu_lines
 
 
 def test_every_timed_engine_runs_on_a_resident_pool(monkeypatch, capsys):

@@ -34,10 +34,18 @@ def test_without_cuda_it_refuses_with_status_2():
     assert "no CUDA device" in p.stdout
 
 
-def test_dry_run_on_the_cpu_runs_every_step_and_summarizes_the_bench():
-    p = _run("--dry-run-cpu", "--requests", "2", "--max-tokens", "4")
+def test_dry_run_on_the_cpu_runs_every_step_and_summarizes_the_bench(tmp_path):
+    p = _run("--dry-run-cpu", "--requests", "2", "--max-tokens", "4", "--report", str(tmp_path / "report"))
     out = p.stdout
     assert p.returncode == 0, (out[-3000:], p.stderr[-3000:])
+    # --report: the bench's JSON and the summary's checks, as printed, come back from a GPU box as files
+    import json
+
+    saved = json.loads((tmp_path / "report" / "summary.json").read_text())
+    bench = json.loads((tmp_path / "report" / "bench.json").read_text())
+    assert set(bench["throughput_by_dtype"]) == {"bfloat16", "float32"} and bench["device"] == "cpu"
+    for c in saved["checks"]:
+        assert f"  {'PASS' if c['ok'] else 'FAIL'}  {c['name']}: {c['detail']}" in out
     summary = out[out.index("== gpu-check summary =="):]
     assert "DRY RUN on the CPU" in summary
     checks = re.findall(r"^  (PASS|FAIL)  (.+?):", summary, flags=re.M)
@@ -61,3 +69,23 @@ def test_dry_run_on_the_cpu_runs_every_step_and_summarizes_the_bench():
 def test_bad_workload_sizes_are_refused_by_name():
     p = _run("--dry-run-cpu", "--requests", "0", timeout=60)
     assert p.returncode == 2 and "--requests must be at least 1, got 0" in p.stderr, p.stderr[-2000:]
+
+
+def test_a_check_that_raises_is_a_fail_and_the_next_checks_still_run(capsys):
+    """A GPU session may get one run: a check that raises (as the fp32 CUDA path once did) must be
+    recorded as FAIL with its exception named, not end the script before the others report."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+
+    def broken():
+        raise RuntimeError("view size is not compatible\nsecond line")
+    results = []
+    gpu_check.attempt(results, "broken check", broken)
+    gpu_check.attempt(results, "next check", lambda: (True, "ran"))
+    assert results == [("broken check", False, "raised RuntimeError: view size is not compatible"),
+                       ("next check", True, "ran")]
+    captured = capsys.readouterr()
+    assert "Traceback" in captured.err and "FAIL  broken check" in captured.out

@@ -172,12 +172,38 @@ def _is_op(name: str) -> bool:
     return name.startswith(("aten::", "mkldnn::", "minikv::"))
 
 
-def count_decode_ops(engine, batch=BATCH_FOR_OPS, seed=0) -> dict[str, int]:
-    """Operators (ATen's and oneDNN's) dispatched from Python (top level: ops an op calls inside
-    are not counted) in one decode-only step of ``batch`` sequences of ``engine``, by op name; on
-    CUDA ``"cuda kernels"`` counts the kernels launched too.  Leaves the engine idle."""
+def count_ops(fn, device) -> dict[str, int]:
+    """Operators (ATen's, oneDNN's, minikv's) that ``fn()`` dispatches from Python (top level: ops
+    an op calls inside are not counted), by name; on CUDA ``"cuda kernels"`` counts the kernels
+    launched too.  On a GPU a small model's step is launch-bound, so these counts, not FLOPs,
+    explain its time."""
     from torch.profiler import ProfilerActivity, profile
 
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        fn()
+        _sync(device)
+    counts: dict[str, int] = {}
+    for e in prof.events():
+        parent = e.cpu_parent
+        if _is_op(e.name) and (parent is None or not _is_op(parent.name)):
+            counts[e.name] = counts.get(e.name, 0) + 1
+        if device.type == "cuda" and getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
+            counts["cuda kernels"] = counts.get("cuda kernels", 0) + 1
+    return counts
+
+
+def op_totals(counts: dict[str, int]) -> dict:
+    """``ops`` (all operators), ``casts`` (dtype conversions) and ``cuda_kernels`` (None on a CPU)
+    of a :func:`count_ops` result."""
+    return {"ops": sum(v for k, v in counts.items() if _is_op(k)),
+            "casts": counts.get("aten::to", 0) + counts.get("aten::_to_copy", 0),
+            "cuda_kernels": counts.get("cuda kernels")}
+
+
+def count_decode_ops(engine, batch=BATCH_FOR_OPS, seed=0) -> dict[str, int]:
+    """:func:`count_ops` of one decode-only step of ``batch`` sequences of ``engine``, by op name.
+    Leaves the engine idle."""
     rng = random.Random(seed)
     vocab = engine.model.shape.vocab_size
     p = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -186,17 +212,7 @@ def count_decode_ops(engine, batch=BATCH_FOR_OPS, seed=0) -> dict[str, int]:
     while engine.scheduler.waiting or any(s.num_computed_tokens == 0 for s in engine.scheduler.running):
         engine.step()
     engine.step()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        engine.step()
-        _sync(engine.device)
-    counts: dict[str, int] = {}
-    for e in prof.events():
-        parent = e.cpu_parent
-        if _is_op(e.name) and (parent is None or not _is_op(parent.name)):
-            counts[e.name] = counts.get(e.name, 0) + 1
-        if engine.device.type == "cuda" and getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
-            counts["cuda kernels"] = counts.get("cuda kernels", 0) + 1
+    counts = count_ops(engine.step, engine.device)
     while engine.has_unfinished_requests():
         engine.step()
     return counts
@@ -212,12 +228,7 @@ def decode_ops(llm) -> dict:
         runs["paged"] = dict(attention_backend="paged", enforce_eager=True)
     if llm.engine.device.type == "cuda":
         runs["graphs"] = dict(attention_backend="fused", enforce_eager=False)
-    out = {}
-    for name, overrides in runs.items():
-        counts = count_decode_ops(llm.fork(**overrides).engine)
-        out[name] = {"ops": sum(v for k, v in counts.items() if _is_op(k)),
-                     "casts": counts.get("aten::to", 0) + counts.get("aten::_to_copy", 0),
-                     "cuda_kernels": counts.get("cuda kernels")}
+    out = {name: op_totals(count_decode_ops(llm.fork(**overrides).engine)) for name, overrides in runs.items()}
     out["batch"] = BATCH_FOR_OPS
     out["default"] = "graphs" if "graphs" in out else llm.engine.attention_backend  # what auto runs
     return out
@@ -246,6 +257,10 @@ def format_engine(report: dict) -> list[str]:
         if "weight_pass_ms" in t:
             lines.append(f"  ttft floor: one row through every weight {t['weight_pass_ms']:8.1f} ms = "
                          f"{t['weight_pass_ms'] / t['miss_ms']:.3f} of the miss (a hit reads every weight once)")
+        if "hit_ops" in t:  # what each request dispatches: on a GPU, launches are most of its time
+            kernels = t["hit_ops"]["cuda_kernels"]
+            lines.append(f"  ttft ops (ATen + oneDNN + minikv) per request: hit {t['hit_ops']['ops']}, miss {t['miss_ops']['ops']}"
+                         + (f"   CUDA kernels: hit {kernels}, miss {t['miss_ops']['cuda_kernels']}" if kernels else ""))
     from .bench_prefill import format_prefill
 
     lines += format_prefill(report.get("prefill_by_dtype", {}), target)

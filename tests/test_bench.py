@@ -63,6 +63,9 @@ def test_bench_report_holds_every_figure_beside_its_ratio(tmp_path, capsys):
     assert math.isclose(t["ttft_hit_over_miss"], t["hit_ms"] / t["miss_ms"]) and t["repeats"] == 5
     assert f"{t['hit_ms']:8.1f} ms" in text and f"{t['miss_ms']:8.1f} ms" in text
     assert 0 < t["weight_pass_ms"] and f"{t['weight_pass_ms']:8.1f} ms" in text  # the hit's floor, printed
+    # one more hit and miss, profiled after the clock: their op counts, printed (on a GPU they explain TTFT)
+    assert t["hit_ops"]["ops"] > 0 and t["miss_ops"]["ops"] > 0 and t["hit_ops"]["cuda_kernels"] is None
+    assert f"ttft ops (ATen + oneDNN + minikv) per request: hit {t['hit_ops']['ops']}, miss {t['miss_ops']['ops']}" in text
     m = report["machine"]  # what the figures were measured on, printed under the title
     assert m["cpu"] and m["cores"] >= 1 and isinstance(m["amx"], bool) and m["torch"] == torch.__version__
     assert f"machine: {m['cpu']} ({m['cores']} cores, {m['isa']}, AMX {'yes' if m['amx'] else 'no'})" in text

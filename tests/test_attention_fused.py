@@ -70,14 +70,19 @@ def _drive(engine, prompts, late_prompt, max_tokens=6):
     return engine.logit_trace, tokens, cached, kinds
 
 
+def _workload(vocab: int):
+    """Two prompts sharing a 40-token prefix (so their second run hits 32 cached tokens) and a
+    late 37-token prompt that joins two running decodes."""
+    rng = random.Random(1)
+    prefix = [rng.randrange(3, vocab) for _ in range(40)]
+    prompts = [prefix + [rng.randrange(3, vocab) for _ in range(n)] for n in (5, 23)]
+    return prompts, [rng.randrange(3, vocab) for _ in range(37)]
+
+
 @pytest.mark.parametrize("device,backend", _runs())
 def test_fused_matches_reference_on_every_kind_of_step(device, backend):
     ref, fused = _engines(device, backend=backend)
-    rng = random.Random(1)
-    vocab = ref.model.shape.vocab_size
-    prefix = [rng.randrange(3, vocab) for _ in range(40)]
-    prompts = [prefix + [rng.randrange(3, vocab) for _ in range(n)] for n in (5, 23)]
-    late = [rng.randrange(3, vocab) for _ in range(37)]
+    prompts, late = _workload(ref.model.shape.vocab_size)
     trace_r, tokens_r, cached_r, kinds = _drive(ref, prompts, late)
     trace_f, tokens_f, cached_f, _ = _drive(fused, prompts, late)
     assert kinds == {"prefill", "decode", "mixed"}
@@ -102,11 +107,7 @@ def test_fused_path_takes_sdpa_outputs_that_are_not_contiguous(monkeypatch):
         calls.append(o.dim() == 4 and o.shape[1] > 1 and o.shape[2] > 1)
         return o.transpose(1, 2).contiguous().transpose(1, 2) if o.dim() == 4 else o
     ref, fused = _engines("cpu")
-    rng = random.Random(1)
-    vocab = ref.model.shape.vocab_size
-    prefix = [rng.randrange(3, vocab) for _ in range(40)]
-    prompts = [prefix + [rng.randrange(3, vocab) for _ in range(n)] for n in (5, 23)]
-    late = [rng.randrange(3, vocab) for _ in range(37)]
+    prompts, late = _workload(ref.model.shape.vocab_size)
     trace_r, tokens_r, cached_r, _ = _drive(ref, prompts, late)
     monkeypatch.setattr(F, "scaled_dot_product_attention", strided_sdpa)
     trace_f, tokens_f, cached_f, kinds = _drive(fused, prompts, late)

@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import json
 import random
+import re
 
 import httpx
 import pytest
@@ -217,3 +218,24 @@ def test_bad_monitor_knobs_are_refused_with_the_value_named(tiny_path, keys_file
     app, _ = app_from_args(serve_args(keys_file, tiny_path, "--selective-monitor-threshold", "3"))
     assert app.state.engine.sharing is None
     assert "--selective-monitor-* flags have no effect unless" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", [True, False])
+def test_prefault_kv_makes_the_pool_resident_before_serving_and_only_when_asked(tiny_path, keys_file, monkeypatch,
+                                                                                caplog, flag):
+    """``--prefault-kv``: the pool is prefaulted once, by ``app_from_args`` (before a port opens),
+    and the log says how and how long; without the flag it is not (the pool fills as used)."""
+    import logging
+
+    from minikv.engine.kv_pool import KVPool
+
+    calls = []
+    prefault = KVPool.prefault
+    monkeypatch.setattr(KVPool, "prefault", lambda pool: calls.append(pool) or prefault(pool))
+    with caplog.at_level(logging.INFO, logger="minikv.serve"):
+        app, _ = app_from_args(serve_args(keys_file, tiny_path, *(["--prefault-kv"] if flag else [])))
+    assert [id(p) for p in calls] == ([id(app.state.engine.pool)] if flag else [])
+    logged = [r.getMessage() for r in caplog.records if "KV pool resident" in r.getMessage()]
+    assert len(logged) == int(flag)
+    if flag:
+        assert re.fullmatch(r"KV pool resident \((madvise|touch|resident)\): \d+\.\d\d GiB in \d+\.\d\d s", logged[0]), logged

@@ -57,7 +57,9 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = True
     g.add_argument("--max-model-len", type=positive_int, help="longest sequence (default: the model's)")
     g.add_argument("--kv-cache-memory-gb", type=float, help="KV pool budget when --num-blocks is not given")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS,
-                   help="reference (explicit gather), fused (batched, per-step metadata) or auto (default: fused)")
+                   help="reference (explicit gather), fused (batched, per-step metadata), paged (fused + minikv's C++ "
+                        "kernels, CPU) or auto (default: paged on a CPU where the kernels are built and fit the model, "
+                        "else fused)")
     g.add_argument("--enforce-eager", action="store_true", default=None,
                    help="never capture CUDA graphs for decode steps (default: captured on CUDA)")
     s = p.add_argument_group("cache policy")

@@ -1,6 +1,7 @@
 """Tests for minikv.models.hub: where checkpoints come from, and that they are sound."""
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import subprocess
@@ -170,6 +171,16 @@ def test_unfinished_or_outdated_builds_are_rebuilt(tmp_path, monkeypatch):
     assert not (target / "stale.txt").exists()
     assert sorted(p.name for p in target.parent.iterdir() if p.name.startswith(".")) == \
         [".tiny-random.lock"]                                  # no temp dirs left behind
+    # the current recipe, written under another transformers (config.json records the version)
+    marker = json.loads((target / MARKER).read_text())
+    assert marker["transformers"] == importlib.metadata.version("transformers")
+    (target / MARKER).write_text(json.dumps({**marker, "transformers": "4.0.0"}))
+    (target / "stale.txt").write_text("from another transformers")
+    resolve_model("tiny-random", progress=False)
+    assert not (target / "stale.txt").exists()
+    assert json.loads((target / MARKER).read_text()) == marker
+    built = json.loads((target / "config.json").read_text())["transformers_version"]
+    assert built == importlib.metadata.version("transformers")
 
 
 def test_corrupt_wheel_fails_loudly_without_downloading(tmp_path, monkeypatch):

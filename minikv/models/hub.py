@@ -13,14 +13,18 @@ where such directories come from:
 
 Built models live under ``$MINIKV_HOME/models/<name>/`` (default ``~/.cache/minikv``).
 A directory counts as built only when its marker file ``minikv-complete.json`` exists
-and names the current recipe; it is built in a temporary sibling and renamed into
-place, so a crash or a second process can never leave a half-written model that a
-later run would trust.
+and names the current recipe and the installed transformers version (``save_pretrained``
+writes that version into ``config.json``, and the GGUF conversion is transformers' code,
+so a cache written under another version is rebuilt, not trusted); it is built in a
+temporary sibling and renamed into place, so a crash or a second process can never leave
+a half-written model that a later run would trust.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import importlib.metadata
 import json
 import os
 import shutil
@@ -71,7 +75,7 @@ def resolve_model(name_or_path: str, progress: bool = True) -> Path:
         try:
             with transformers_bars(progress):
                 info = _BUILDERS[key](tmp, progress)
-            info.update(name=key, recipe=RECIPES[key])
+            info.update(name=key, recipe=RECIPES[key], transformers=_transformers_version())
             (tmp / MARKER).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
             _swap_into_place(tmp, target)
         finally:
@@ -96,9 +100,17 @@ def _local_checkpoint(name: str) -> Path:
 
 def _is_complete(path: Path, key: str) -> bool:
     try:
-        return json.loads((path / MARKER).read_text()).get("recipe") == RECIPES[key]
+        marker = json.loads((path / MARKER).read_text())
     except (OSError, ValueError):
         return False
+    return marker.get("recipe") == RECIPES[key] and marker.get("transformers") == _transformers_version()
+
+
+@functools.lru_cache(maxsize=1)
+def _transformers_version() -> str:
+    """The installed transformers' version, read from its metadata (importing transformers
+    would cost seconds on every ``resolve_model``)."""
+    return importlib.metadata.version("transformers")
 
 
 @contextlib.contextmanager

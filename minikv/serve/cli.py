@@ -182,8 +182,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction, reuse_monitor=None)
     p.add_argument("--metrics-port", type=int,
                    help="serve /metrics on this separate, operator-only port (no tenant key opens it)")
     p.add_argument("--prefault-kv", action="store_true",
-                   help="make the whole KV pool resident at start-up, so that no request pays the page "
-                        "faults of blocks never written before (CPU: one madvise, logged with its time; CUDA "
+                   help="make the whole KV pool resident at start-up, so that no request pays for the first "
+                        "touch of blocks never written before (CPU: one madvise, logged with its time; CUDA "
                         "memory is resident already); off by default: it holds the pool's memory from the start")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.add_argument("--no-access-log", action="store_true", help="no per-request access log lines")

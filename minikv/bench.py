@@ -84,11 +84,11 @@ def bench_ttft(model: str, device, dtype, repeats=5, seed=0) -> dict:
     p1 = SamplingParams(max_tokens=1, temperature=0.0)
     llm.generate([system + questions[2 * repeats]], p1)  # warm-up and prime the cache
     hits, misses = [], []
+    fresh = [t ^ 1 for t in system]  # same length, never cached
     for i in range(repeats):
         hit = completed(llm.generate([system + questions[i]], p1, tenant=None))[0]
         assert hit.num_cached_tokens >= 992, hit.num_cached_tokens
         hits.append(hit.metrics.ttft_s)
-        fresh = [t ^ 1 for t in system]  # same length, never cached
         miss = completed(llm.generate([fresh + questions[repeats + i]], p1, tenant=f"miss-{i}"))[0]
         assert miss.num_cached_tokens == 0
         misses.append(miss.metrics.ttft_s)

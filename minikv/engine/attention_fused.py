@@ -79,9 +79,9 @@ def attend(layer: int, q: torch.Tensor, kv: torch.Tensor, pool, plan: FusedPlan,
                 qg = q[g.rows].view(-1, g.n_max, kv_heads, rep, dim).permute(0, 2, 3, 1, 4).reshape(
                     -1, kv_heads, rep * g.n_max, dim)
             o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale)
-            # reshape, not view: SDPA's output need not be contiguous.  CUDA's memory-efficient
-            # kernel (fp32 with a mask, on an H200) returns [S, kv_heads, rows, D] laid out as
-            # [S, rows, kv_heads, D], which no view can flatten; reshape copies only then.
+            # reshape, not view: SDPA's output need not be contiguous.  On an H200 (torch 2.11)
+            # the kernel SDPA picked for fp32 with a mask returned [S, kv_heads, rows, D] laid out
+            # as [S, rows, kv_heads, D], which no view can flatten; reshape copies only then.
             if g.kind == "decode":
                 o = o.reshape(-1, heads * dim)
             else:

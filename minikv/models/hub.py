@@ -108,8 +108,8 @@ def _is_complete(path: Path, key: str) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def _transformers_version() -> str:
-    """The installed transformers' version, read from its metadata (importing transformers
-    would cost seconds on every ``resolve_model``)."""
+    """The installed transformers' version, read from its metadata: no import of transformers,
+    since ``resolve_model`` runs on every model load and a built model should cost a file read."""
     return importlib.metadata.version("transformers")
 
 

@@ -138,6 +138,9 @@ def test_lookup_order(monkeypatch, tmp_path):
     assert find_gu_zip(start=checkout) == cached_gu_zip() == home / "data" / "gu-audit-data.zip"
     cached_gu_zip().unlink()
     assert find_gu_zip(start=checkout) == beside
+    monkeypatch.setenv("MINIKV_SHARED", str(tmp_path / "empty"))   # a set $MINIKV_SHARED replaces the walk up
+    assert find_gu_zip(start=checkout) is None
+    monkeypatch.delenv("MINIKV_SHARED")
     beside.unlink()
     assert find_gu_zip(start=checkout) is None
 

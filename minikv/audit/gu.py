@@ -61,7 +61,8 @@ def find_gu_zip(start: str | os.PathLike | None = None) -> Path | None:
     copy ``minikv audit gu --fetch`` downloaded into ``$MINIKV_HOME/data/``; then ``shared/data/``
     in ``start`` (default: this package, then the working directory) or any of its parents.
     Walking up finds both a ``shared/`` inside the checkout and the CI layout where it sits next
-    to the repo.
+    to the repo.  A set ``$MINIKV_SHARED`` replaces the walk: it names *the* shared folder, so
+    pointing it at an empty one shows what a learner's clone, which has none, sees.
     """
     env = os.environ.get("MINIKV_SHARED")
     if env:
@@ -71,6 +72,8 @@ def find_gu_zip(start: str | os.PathLike | None = None) -> Path | None:
                 return cand
     if cached_gu_zip().is_file():   # only a verified download is ever renamed into place
         return cached_gu_zip()
+    if env:
+        return None
     starts = [Path(start)] if start is not None else [Path(__file__).resolve().parent, Path.cwd()]
     for here in starts:  # the cwd covers a non-editable install run from the checkout
         for d in (here, *here.parents):

@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""Run a command and print its wall clock and peak memory when it ends (``make test`` uses it).
+
+    python scripts/measure.py --label "make test" --max-rss-gb 6 -- make test-py test-nb
+
+Two memory figures, because they answer different questions:
+
+* **largest process** -- the peak resident set of the biggest single process in the command's
+  tree, from ``getrusage(RUSAGE_CHILDREN)`` after it exits: the same number as GNU time's
+  "Maximum resident set size", and the one that decides whether a laptop can run the suite;
+* **whole tree** -- the largest sum of resident sets over the command and all its descendants,
+  sampled twice a second (psutil; skipped where it is not installed).  It catches a suite that
+  keeps several medium processes alive at once, which the first figure cannot see.
+
+Servers that detach from the tree (the vLLM that ``make test`` starts first) are in neither.
+``--max-rss-gb`` only warns: a budget printed at every run is what keeps it visible; the tests
+themselves never time or weigh anything.  The exit status is the command's own.
+"""
+from __future__ import annotations
+
+import argparse
+import resource
+import subprocess
+import sys
+import threading
+import time
+
+GB = 1 << 30
+
+
+def tree_sampler(pid: int, stop: threading.Event, peak: list[int]) -> None:
+    """Keep ``peak[0]`` at the largest summed RSS of ``pid`` and its descendants seen so far."""
+    try:
+        import psutil
+    except ImportError:
+        return
+    try:
+        root = psutil.Process(pid)
+    except psutil.Error:
+        return
+    while not stop.wait(0.5):
+        total = 0
+        try:
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            break
+        for p in procs:
+            try:
+                total += p.memory_info().rss
+            except psutil.Error:    # a process that ended between listing and reading
+                pass
+        peak[0] = max(peak[0], total)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--label", default="command")
+    ap.add_argument("--max-rss-gb", type=float, default=None, help="print a warning above this (largest process)")
+    ap.add_argument("--max-minutes", type=float, default=None, help="print a warning above this wall clock")
+    ap.add_argument("cmd", nargs=argparse.REMAINDER)
+    args = ap.parse_args(argv)
+    cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not cmd:
+        ap.error("no command given (put it after --)")
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd)
+    stop, peak = threading.Event(), [0]
+    sampler = threading.Thread(target=tree_sampler, args=(proc.pid, stop, peak), daemon=True)
+    sampler.start()
+    try:
+        rc = proc.wait()
+    except KeyboardInterrupt:
+        proc.terminate()
+        rc = proc.wait()
+    stop.set()
+    sampler.join(timeout=5)
+    wall = time.monotonic() - started
+    largest = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024   # Linux reports KiB
+    tree = f", whole tree {peak[0] / GB:.1f} GB" if peak[0] else ""
+    print(f"[{args.label}] wall clock {int(wall // 60)} min {wall % 60:04.1f} s; peak RSS: largest process "
+          f"{largest / GB:.1f} GB{tree}; exit {rc}", flush=True)
+    if args.max_rss_gb is not None and largest > args.max_rss_gb * GB:
+        print(f"[{args.label}] WARNING: largest process over the {args.max_rss_gb:g} GB budget", flush=True)
+    if args.max_minutes is not None and wall > args.max_minutes * 60:
+        print(f"[{args.label}] WARNING: over the {args.max_minutes:g}-minute budget", flush=True)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

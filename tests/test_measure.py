@@ -1,0 +1,37 @@
+"""scripts/measure.py: the wall clock and peak memory that ``make test`` prints at its end."""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "measure.py"
+ALLOC = "import time; b = bytearray({n} << 20); b[::4096] = b'x' * len(b[::4096]); time.sleep(1.2)"
+
+
+def measure(*cmd, extra=()):
+    out = subprocess.run([sys.executable, str(SCRIPT), "--label", "t", *extra, "--", *cmd],
+                         capture_output=True, text=True, timeout=60)
+    return out.returncode, out.stdout
+
+
+def gb(stdout, which):
+    return float(re.search(rf"{which} (\d+\.\d) GB", stdout).group(1))
+
+
+def test_reports_the_largest_process_and_the_tree_and_passes_the_exit_status_through():
+    rc, out = measure(sys.executable, "-c", ALLOC.format(n=700) + "; raise SystemExit(3)")
+    assert rc == 3 and "exit 3" in out
+    assert 0.6 <= gb(out, "largest process") <= 1.0, out      # 700 MiB touched, plus the interpreter
+    assert gb(out, "whole tree") >= 0.6, out
+
+
+def test_a_small_command_is_small_and_the_budget_warns_only_above_it():
+    rc, out = measure(sys.executable, "-c", "pass", extra=("--max-rss-gb", "4"))
+    assert rc == 0 and gb(out, "largest process") < 0.2 and "WARNING" not in out
+    rc, out = measure(sys.executable, "-c", ALLOC.format(n=400), extra=("--max-rss-gb", "0.2"))
+    assert rc == 0 and "over the 0.2 GB budget" in out
+
+
+def test_no_command_is_refused():
+    rc, out = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True).returncode, ""
+    assert rc == 2

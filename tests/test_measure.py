@@ -33,5 +33,5 @@ def test_a_small_command_is_small_and_the_budget_warns_only_above_it():
 
 
 def test_no_command_is_refused():
-    rc, out = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True).returncode, ""
-    assert rc == 2
+    out = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "no command given" in out.stderr

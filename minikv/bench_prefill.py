@@ -15,9 +15,9 @@ itself reaches on this machine for the model's own layer shapes (issue 11: >= 80
 Why the passes are printed, not only their best: a pass takes a fraction of a second and a
 prefill several seconds, so on a shared machine the best of three short passes catches the
 machine's best moment while the prefill averages over its moments.  On one 2-core Intel Xeon
-with AMX, bf16 passes read either ~770 or ~1,980 GFLOP/s from one round to the next (README,
-machine E); the median pass beside the best shows how much of a ratio is the peak's luck.  The
-target stays on the best pass, the stricter of the two.
+with AMX, bf16 passes read either ~770 or ~1,980 GFLOP/s from one round to the next
+(docs/BENCHMARKS.md, machine E); the median pass beside the best shows how much of a ratio is
+the peak's luck.  The target stays on the best pass, the stricter of the two.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@
 ``python -m minikv.bench`` measures TTFT (a 1,000-token system prompt, then a 20-token question:
 the *hit* finds the system prompt's blocks cached, the *miss* finds nothing) and counts the ops
 each dispatches.  On an H200 the hit came out *slower* than the miss (17.1 against 14.1 ms, a
-random model of SmolLM2's shapes in fp32; README), though it dispatched fewer ops.  Counting says
+random model of SmolLM2's shapes in fp32; docs/BENCHMARKS.md), though it dispatched fewer ops.  Counting says
 "how many"; this script says "where": for one more hit and one more miss it prints
 
 1. the TTFT of each, timed without a profiler;

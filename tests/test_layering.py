@@ -5,6 +5,9 @@ including those inside functions: a lazy import is still a dependency, only a hi
 module belongs to a *unit* (the longest matching prefix in ``UNITS``) and each unit to a layer.
 A module may import its own unit, or a unit of a strictly lower layer; units of one layer are
 peers and never import each other.  docs/ARCHITECTURE.md ("Layers") explains the map.
+
+And no module imports itself round a circle, inside a unit or across: the second half of this file
+finds every circle in the module graph and names the files and lines that close it.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ same run, on the same prompts, with the same thread count, after a warm-up -- an
 the absolute figures it divides, so that a ratio moved by load or versions shows as such
 (:mod:`minikv.bench_engine` says why the 4.46x of issue 2 cannot be reproduced):
 
-Every engine timed has its KV pool made resident first (``bench_engine.resident``: the steady
+Every engine timed has its KV pool made resident first (``bench_base.resident``: the steady
 state of a server that has been up a while, with no first-touch page faults in any figure).
 
 * throughput, per dtype: generated tokens/s of minikv, of its reference backend and of one padded
@@ -39,26 +39,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import time
-import warnings
 
 import torch
 
-from .bench_engine import (completed, count_ops, decode_ops, format_engine, format_machine, machine_info, op_totals,
-                           random_prompts, resident, throughput)
+from .bench_base import completed, hit_rate_vs_tenants, random_prompts, resident
+from .bench_engine import count_ops, decode_ops, format_engine, format_machine, machine_info, op_totals, throughput
 from .bench_prefill import prefill_efficiency, weight_pass_s
-from .engine import SamplingParams, UnsafeSettingWarning
+from .engine import SamplingParams
 from .llm import LLM
 from .models.hub import resolve_model
 
 TARGETS = {"ttft_hit_over_miss": "<= 0.05 (fp32)",
            "hash_over_prefill": "<= 0.01", "scrub_over_e2e": "<= 0.02"}
 SECTIONS = {"throughput", "ttft", "prefill", "ops", "isolation", "fairness", "trail", "sharing"}
-
-
-_random_prompts = random_prompts  # the one workload generator (minikv.bench_engine)
 
 
 def bench_throughput(model: str, device, dtypes: list[str], n=16, max_tokens=64) -> dict:
@@ -75,12 +70,12 @@ def bench_prefill(model: str, device, dtypes: list[str], n=16) -> dict:
 
 
 def bench_ttft(model: str, device, dtype, repeats=5, seed=0) -> dict:
-    # A resident pool (bench_engine.resident): on a young one each miss writes never-written blocks
+    # A resident pool (bench_base.resident): on a young one each miss writes never-written blocks
     # and pays their page faults, which a hit (two new blocks) does not, flattering the ratio.
     llm = resident(LLM(model, device=device, dtype=dtype, enable_prefix_caching=True))
     vocab = llm.engine.model.shape.vocab_size
-    system = _random_prompts(vocab, 1, 1000, 1000, seed)[0]
-    questions = _random_prompts(vocab, 2 * repeats + 3, 20, 20, seed + 1)  # hits, misses, warm-up, 2 for the ops
+    system = random_prompts(vocab, 1, 1000, 1000, seed)[0]
+    questions = random_prompts(vocab, 2 * repeats + 3, 20, 20, seed + 1)  # hits, misses, warm-up, 2 for the ops
     p1 = SamplingParams(max_tokens=1, temperature=0.0)
     llm.generate([system + questions[2 * repeats]], p1)  # warm-up and prime the cache
     hits, misses = [], []
@@ -110,7 +105,7 @@ def bench_isolation(llm: LLM, tenants=(1, 4, 16, 64), seed=0) -> dict:
 
     eng = resident(llm).engine  # the prefill that hashing is measured against pays no page faults
     vocab = eng.model.shape.vocab_size
-    prompt = _random_prompts(vocab, 1, 1008, 1008, seed)[0]
+    prompt = random_prompts(vocab, 1, 1008, 1008, seed)[0]
     bs = eng.block_size
     blocks = [tuple(prompt[i:i + bs]) for i in range(0, len(prompt), bs)]
     out = {}
@@ -132,7 +127,7 @@ def bench_isolation(llm: LLM, tenants=(1, 4, 16, 64), seed=0) -> dict:
     # on a pool whose pages are all resident (a server that has been up a while: the target's
     # figure) and on a fresh pool, where the first write of each page pays its page fault and the
     # on_alloc scrub, the first writer of a fresh block, pays them (host_memory.populate).
-    prompts = _random_prompts(vocab, 16, 32, 512, seed)
+    prompts = random_prompts(vocab, 16, 32, 512, seed)
     for policy in ("on_alloc", "on_free"):
         out[f"scrub_over_e2e[{policy}]"] = _scrub_share(llm.fork(scrub=policy), prompts, prefault=True)
         out[f"scrub_over_e2e_fresh_pool[{policy}]"] = _scrub_share(llm.fork(scrub=policy), prompts, prefault=False)
@@ -152,40 +147,6 @@ def _scrub_share(sllm: LLM, prompts, prefault: bool) -> float:
     for _ in range(2):
         sllm.generate(prompts, SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True))
     return sllm.engine.stats["scrub_s"] / (time.perf_counter() - t0)
-
-
-def hit_rate_vs_tenants(base: LLM, tenants=(1, 4, 16, 64), seed=0, questions_per_tenant=2,
-                        extra_policies=(), measure=None) -> dict:
-    """Prefix-cache hit rate (cached / prompt tokens) when N tenants share one system prompt.
-    Each configuration is a fork of ``base``: a fresh pool, the same weights.  ``extra_policies``:
-    more ``(label, fork settings)`` rows on the same requests; ``measure(llm, prompt, tenant) ->
-    (cached, prompt tokens)`` replaces the one-request ``generate`` (``minikv.bench_sharing``)."""
-    system = "You are the support assistant of ACME Corp. Answer politely, cite the policy, never share data. " * 3
-    words = "order refund shipping invoice account password delivery warranty".split()
-    policies = (("shared (unsafe)", dict(cache_isolation="shared")),
-                ("tenant", dict(cache_isolation="tenant")),
-                ("tenant + shared_prefixes", dict(cache_isolation="tenant", shared_prefixes=[system])),
-                *extra_policies)
-    results: dict[str, dict[int, float]] = {label: {} for label, _ in policies}
-    for n in tenants:
-        rng = random.Random(seed + n)  # the same requests for every policy: a fair comparison
-        reqs = [(f"t{t}", system + " ".join(rng.choice(words) for _ in range(8)) + "?")
-                for _ in range(questions_per_tenant) for t in range(n)]
-        for label, kwargs in policies:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UnsafeSettingWarning)
-                llm = base.fork(enable_prefix_caching=True, **kwargs)
-            cached = total = 0
-            for tenant, prompt in reqs:
-                c, t = (measure or _generate_one)(llm, prompt, tenant)  # (not n: n is the tenant count)
-                cached, total = cached + c, total + t
-            results[label][n] = cached / total
-    return results
-
-
-def _generate_one(llm: LLM, prompt, tenant) -> tuple[int, int]:
-    o = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0), tenant=tenant)[0]
-    return o.num_cached_tokens, len(o.prompt_token_ids)
 
 
 def bench_trail() -> dict:
@@ -223,7 +184,7 @@ def main(argv=None) -> int:
     device, dtype = llm.engine.device, llm.engine.dtype
     report = {"model": args.model, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
               "threads": torch.get_num_threads(), "machine": machine_info(device),
-              "kv_pools": "resident"}  # every timed engine's, before its clock starts (bench_engine.resident)
+              "kv_pools": "resident"}  # every timed engine's, before its clock starts (bench_base.resident)
     if "throughput" in sections:
         report["throughput_by_dtype"] = bench_throughput(args.model, args.device, dtypes, args.requests, args.max_tokens)
     if "ttft" in sections:

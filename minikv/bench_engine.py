@@ -24,20 +24,15 @@ from __future__ import annotations
 import os
 import random
 import statistics
-import time
 
 import torch
 
+from .bench_base import completed, random_prompts, resident, sync, timed
+from .bench_prefill import format_prefill
 from .engine import SamplingParams
 from .engine.matmuls import amx_available
 
 BATCH_FOR_OPS = 16
-
-
-def random_prompts(vocab: int, n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    edge = min(1000, vocab // 4)  # avoid special and rare ids at both ends of the vocabulary
-    return [[rng.randrange(edge, vocab - edge) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
 def machine_info(device) -> dict:
@@ -69,48 +64,6 @@ def format_machine(info: dict) -> str:
     gpu = f", GPU {info['gpu']}" if "gpu" in info else ""
     return (f"  machine: {info['cpu']} ({info['cores']} cores, {info['isa']}, AMX {'yes' if info['amx'] else 'no'}), "
             f"torch {info['torch']}{gpu}")
-
-
-def resident(llm):
-    """``llm`` with its KV pool made resident (:meth:`KVPool.prefault`), before anything is timed.
-
-    A CPU pool's pages are faulted in the first time each is written, and freed blocks go to the
-    back of the free list (as in vLLM), so every run of a workload on a young pool writes blocks
-    never written before: each prefill of the prefill section took 59,040 page faults (231 MB of
-    pool written for the first time), until the pool had been used all round.  What a fault costs depends on the
-    VM's moment (a fresh GiB took 0.7 s in one run and 5.2 s in another, ``host_memory.populate``),
-    so those faults moved every figure with a prefill in it, and not on both sides of a ratio:
-    transformers' buffers come from the heap its warm-up already touched.  A server that has been
-    up a while has touched its whole pool; the benchmark times that steady state, on every engine
-    it times (the isolation section also prints scrubbing on a fresh pool, where it differs most)."""
-    llm.engine.pool.prefault()
-    return llm
-
-
-def completed(outputs: list) -> list:
-    """``outputs``, once none of its requests failed.  The engine finishes a request whose forward
-    raised with ``finish_reason="error"`` and keeps serving the rest (``step_guard.py``), so a
-    benchmark that only counted tokens would time failures and print their speed: on an H200 the
-    fp32 runs once "ran" at 102 tok/s with every request failed.  A failed request stops the
-    benchmark instead, naming it and its error."""
-    bad = [o for o in outputs if o.outputs[0].finish_reason == "error"]
-    if bad:
-        raise RuntimeError(f"{len(bad)} of {len(outputs)} benchmark requests failed, the first "
-                           f"({bad[0].request_id!r}): {bad[0].outputs[0].error}")
-    return outputs
-
-
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _timed(fn, device) -> tuple[int, float]:
-    _sync(device)
-    t0 = time.perf_counter()
-    tokens = fn()
-    _sync(device)
-    return tokens, time.perf_counter() - t0
 
 
 def throughput(llm, model_path, n=16, max_tokens=64, seed=0, repeats=2) -> dict:
@@ -153,7 +106,7 @@ def throughput(llm, model_path, n=16, max_tokens=64, seed=0, repeats=2) -> dict:
     rates: dict[str, list[float]] = {k: [] for k in sides}
     for _ in range(repeats):
         for name, fn in sides.items():
-            tokens, seconds = _timed(fn, eng.device)
+            tokens, seconds = timed(fn, eng.device)
             rates[name].append(tokens / seconds)
     tps = {k: statistics.median(v) for k, v in rates.items()}
     del hf
@@ -182,7 +135,7 @@ def count_ops(fn, device) -> dict[str, int]:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         fn()
-        _sync(device)
+        sync(device)
     counts: dict[str, int] = {}
     for e in prof.events():
         parent = e.cpu_parent
@@ -261,8 +214,6 @@ def format_engine(report: dict) -> list[str]:
             kernels = t["hit_ops"]["cuda_kernels"]
             lines.append(f"  ttft ops (ATen + oneDNN + minikv) per request: hit {t['hit_ops']['ops']}, miss {t['miss_ops']['ops']}"
                          + (f"   CUDA kernels: hit {kernels}, miss {t['miss_ops']['cuda_kernels']}" if kernels else ""))
-    from .bench_prefill import format_prefill
-
     lines += format_prefill(report.get("prefill_by_dtype", {}), target)
     if "ops" in report:
         o = report["ops"]

@@ -15,9 +15,9 @@ itself reaches on this machine for the model's own layer shapes (issue 11: >= 80
 Why the passes are printed, not only their best: a pass takes a fraction of a second and a
 prefill several seconds, so on a shared machine the best of three short passes catches the
 machine's best moment while the prefill averages over its moments.  On one 2-core Intel Xeon
-with AMX, bf16 passes read either ~770 or ~1,980 GFLOP/s from one round to the next (README,
-machine E); the median pass beside the best shows how much of a ratio is the peak's luck.  The
-target stays on the best pass, the stricter of the two.
+with AMX, bf16 passes read either ~770 or ~1,980 GFLOP/s from one round to the next
+(docs/BENCHMARKS.md, machine E); the median pass beside the best shows how much of a ratio is
+the peak's luck.  The target stays on the best pass, the stricter of the two.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import statistics
 
 import torch
 
-from .bench_engine import _timed, completed, random_prompts, resident
+from .bench_base import completed, random_prompts, resident, timed
 from .engine import SamplingParams
 
 
@@ -48,7 +48,7 @@ def matmul_passes(model, tokens: int, repeats=3) -> list[float]:
             torch.matmul(a, b)
 
     one_pass()  # warm-up
-    return [flops / _timed(one_pass, dev)[1] for _ in range(repeats)]
+    return [flops / timed(one_pass, dev)[1] for _ in range(repeats)]
 
 
 def weight_pass_s(model, repeats=3) -> float:
@@ -66,7 +66,7 @@ def weight_pass_s(model, repeats=3) -> float:
         for w in weights:
             F.linear(rows[w.shape[1]], w)
 
-    return min(_timed(one_pass, model.device)[1] for _ in range(repeats))
+    return min(timed(one_pass, model.device)[1] for _ in range(repeats))
 
 
 def prefill_flops(model, lengths: list[int]) -> float:
@@ -100,7 +100,7 @@ def prefill_efficiency(llm, n=16, seed=0, rounds=3, passes=3) -> dict:
     step_tokens = min(sum(map(len, prompts)), eng.config.max_num_batched_tokens)
     per_round = []
     for _ in range(rounds):
-        seconds = _timed(lambda: completed(fresh.generate(prompts, one)), eng.device)[1]
+        seconds = timed(lambda: completed(fresh.generate(prompts, one)), eng.device)[1]
         tried = matmul_passes(eng.model, step_tokens, passes)
         rate, peak = flops / seconds, max(tried)
         per_round.append({"prefill_flops_per_s": rate, "matmul_peak_flops_per_s": peak,

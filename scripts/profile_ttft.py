@@ -5,7 +5,7 @@
 ``python -m minikv.bench`` measures TTFT (a 1,000-token system prompt, then a 20-token question:
 the *hit* finds the system prompt's blocks cached, the *miss* finds nothing) and counts the ops
 each dispatches.  On an H200 the hit came out *slower* than the miss (17.1 against 14.1 ms, a
-random model of SmolLM2's shapes in fp32; README), though it dispatched fewer ops.  Counting says
+random model of SmolLM2's shapes in fp32; docs/BENCHMARKS.md), though it dispatched fewer ops.  Counting says
 "how many"; this script says "where": for one more hit and one more miss it prints
 
 1. the TTFT of each, timed without a profiler;
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
 
     sys.path.insert(0, str(ROOT))
     from minikv import LLM, SamplingParams
-    from minikv.bench_engine import _sync, random_prompts
+    from minikv.bench_base import random_prompts, sync
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(args.device)
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
             q = next(questions)
             prompt, tenant = (system + q, None) if side == "hit" else (fresh + q, f"miss-{q[0]}")
             out = llm.generate([prompt], one, tenant=tenant)[0]
-            _sync(device)
+            sync(device)
             want = len(system) // llm.engine.block_size * llm.engine.block_size if side == "hit" else 0
             if out.outputs[0].finish_reason == "error" or (check and out.num_cached_tokens != want):
                 raise RuntimeError(f"the {side} was not one: {out.num_cached_tokens} tokens cached "

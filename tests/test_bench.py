@@ -7,7 +7,8 @@ import math
 import torch
 
 from minikv import LLM
-from minikv.bench import format_report, hit_rate_vs_tenants, main
+from minikv.bench import format_report, main
+from minikv.bench_base import hit_rate_vs_tenants
 
 
 def test_bench_report_holds_every_figure_beside_its_ratio(tmp_path, capsys):
@@ -36,7 +37,7 @@ def test_bench_report_holds_every_figure_beside_its_ratio(tmp_path, capsys):
         assert t["backend"] == auto and t["repeats"] >= 2 and t["load_before"] >= 0
         assert t["requests"] == 4 and t["tokens_per_request"] == 8
         assert f"ratio {t['throughput_ratio']:.2f}" in text
-    from minikv.bench_engine import random_prompts
+    from minikv.bench_base import random_prompts
 
     vocab = LLM("tiny-random", device="cpu").engine.model.shape.vocab_size
     for dtype, p in report["prefill_by_dtype"].items():
@@ -90,7 +91,7 @@ def test_bench_report_holds_every_figure_beside_its_ratio(tmp_path, capsys):
 
 def test_every_timed_engine_runs_on_a_resident_pool(monkeypatch, capsys):
     """The throughput, TTFT and prefill sections time no first-touch page faults: every engine they
-    run has had its pool prefaulted before its first request (bench_engine.resident)."""
+    run has had its pool prefaulted before its first request (bench_base.resident)."""
     from minikv.engine.kv_pool import KVPool
 
     prefaulted, runs = set(), []

@@ -231,9 +231,11 @@ def test_widgets_are_ignored_and_have_a_static_twin(name):
         assert rest and "draw_frames_strip" in rest[0].source, f"{name} cell {i}: no static twin follows"
 
 
-@pytest.mark.parametrize("page", ["CHEATSHEET.md", "GLOSSARY.md", "INSTRUCTORS.md", "../README.md"])
+@pytest.mark.parametrize("page", ["CHEATSHEET.md", "GLOSSARY.md", "INSTRUCTORS.md", "../README.md",
+                                  "../docs/INSTALL.md", "../docs/USAGE.md", "../docs/BENCHMARKS.md"])
 def test_reference_pages_cite_only_what_references_lists(page):
-    """The checklist, glossary, instructor notes and README carry ids too; each must have an entry."""
+    """The checklist, glossary, instructor notes, README and the pages it moved detail into (docs/) carry
+    ids too; each must have an entry."""
     listed = citation_ids((COURSE / "REFERENCES.md").read_text())
     missing = sorted(citation_ids((COURSE / page).read_text()) - listed)
     assert not missing, f"{page} cites {missing}, which course/REFERENCES.md does not list"

@@ -5,6 +5,9 @@ including those inside functions: a lazy import is still a dependency, only a hi
 module belongs to a *unit* (the longest matching prefix in ``UNITS``) and each unit to a layer.
 A module may import its own unit, or a unit of a strictly lower layer; units of one layer are
 peers and never import each other.  docs/ARCHITECTURE.md ("Layers") explains the map.
+
+And no module imports itself round a circle, inside a unit or across: the second half of this file
+finds every circle in the module graph and names the files and lines that close it.
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ LAYERS = (
     ("minikv.audit", "minikv.serve", "minikv.attacks"),  # tools that drive or read an engine
     ("minikv.viz", "minikv.edge", "minikv.grading", "minikv.gateway"),  # built on those tools
     ("minikv", "minikv.cli", "minikv.__main__", "minikv.bench", "minikv.bench_fairness",  # entry points
-     "minikv.bench_sharing", "minikv.bench_engine", "minikv.bench_prefill"),
+     "minikv.bench_sharing", "minikv.bench_engine", "minikv.bench_prefill", "minikv.bench_base"),
 )
 ENTRY_POINTS = LAYERS[-1]
 #: modules that belong to a unit other than their own name: the trail's file writer is part of
@@ -130,3 +133,123 @@ def test_an_upward_or_sideways_import_is_named(module, source, culprit):
     sources[module] = (source, False)
     found = violations(sources)
     assert any(f.startswith(f"{module} {culprit}:") for f in found), found
+
+
+# --- no import circles ----------------------------------------------------------------------------
+# Layers order *units*; inside a unit (the entry points are one) modules may import each other, and
+# two of them importing each other is a circle: which one is imported first decides which sees the
+# other half-initialised, and a lazy import only hides that.  So the module graph must be acyclic.
+
+def import_graph(sources: dict[str, tuple[str, bool]]) -> dict[str, dict[str, int]]:
+    """``{module: {imported minikv module: first line}}`` over ``sources``, imports at any depth."""
+    known = set(sources)
+    graph: dict[str, dict[str, int]] = {}
+    for module, (source, is_package) in sources.items():
+        edges = graph.setdefault(module, {})
+        for line, target in imports(source, module, is_package, known):
+            if target in known and target != module:
+                edges.setdefault(target, line)
+    return graph
+
+
+def import_cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """One circle ``[a, b, ..., a]`` per strongly connected group of modules (Tarjan's algorithm,
+    iterative: the package is deep enough to make recursion a worry), in a stable order."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    groups: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    group = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        group.append(member)
+                        if member == node:
+                            break
+                    if len(group) > 1:
+                        groups.append(sorted(group))
+            elif child not in index:
+                index[child] = low[child] = len(index)
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(graph.get(child, ())))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return [_circle_through(group, graph) for group in sorted(groups)]
+
+
+def _circle_through(group: list[str], graph: dict[str, dict[str, int]]) -> list[str]:
+    """A shortest circle from the group's first module back to itself, inside the group."""
+    start, members = group[0], set(group)
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for node in frontier:
+            for child in sorted(graph[node]):
+                if child == start:
+                    return paths[node] + [start]
+                if child in members and child not in paths:
+                    paths[child] = paths[node] + [child]
+                    nxt.append(child)
+        frontier = nxt
+    raise AssertionError(f"{group} is not strongly connected")  # Tarjan's groups always are
+
+
+def describe_cycle(cycle: list[str], graph: dict[str, dict[str, int]], packages: set[str]) -> str:
+    """``minikv/a.py line 3 -> minikv/b/__init__.py line 9 -> minikv/a.py``: files, not modules."""
+    def file(m: str) -> str:
+        return m.replace(".", "/") + ("/__init__.py" if m in packages else ".py")
+    hops = [f"{file(a)} line {graph[a][b]}" for a, b in zip(cycle, cycle[1:])]
+    return " -> ".join(hops + [file(cycle[-1])])
+
+
+def cycle_report(sources: dict[str, tuple[str, bool]]) -> list[str]:
+    graph = import_graph(sources)
+    packages = {m for m, (_, is_package) in sources.items() if is_package}
+    return [describe_cycle(c, graph, packages) for c in import_cycles(graph)]
+
+
+def test_the_cycle_finder_on_a_synthetic_graph():
+    graph = {"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3, "d": 4}, "d": {}, "e": {"f": 5}, "f": {"e": 6},
+             "g": {"a": 7}}
+    assert import_cycles(graph) == [["a", "b", "c", "a"], ["e", "f", "e"]]
+    assert import_cycles({"a": {"b": 1}, "b": {"c": 1}, "c": {}}) == []
+
+
+def test_no_import_cycles_among_minikv_modules():
+    found = cycle_report(package_sources())
+    assert not found, "import circles (move the shared names down into a module both import):\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("module,is_package,source,expected", [
+    # a lazy import inside a function still closes a circle
+    ("minikv.bench_prefill", False, "def f():\n    from .bench_engine import format_engine\n",
+     "minikv/bench_engine.py line"),
+    # a TYPE_CHECKING-only import too: it is a dependency a type checker follows
+    ("minikv.engine.sampling", False, "if TYPE_CHECKING:\n    from .sequence import Sequence\n",
+     "-> minikv/engine/sequence.py line"),
+    # through a package's __init__
+    ("minikv.bench_base", False, "from .bench_sharing import ZIPF\n", "minikv/bench_sharing/__init__.py line"),
+])
+def test_a_planted_cycle_is_named_by_its_files(module, is_package, source, expected):
+    sources = package_sources()
+    sources[module] = (sources[module][0] + "\n" + source, is_package)
+    found = cycle_report(sources)
+    assert any(expected in f and module.replace(".", "/") in f for f in found), found

@@ -1,7 +1,7 @@
 """Packaging: the engine's hard dependencies, the extras, the pins CI installs with.
 
 Static checks only (no network, no install): pyproject.toml, constraints.txt,
-scripts/bootstrap.py and the import statements of the code. See README, "Dependencies".
+scripts/bootstrap.py and the import statements of the code. See docs/INSTALL.md, "Dependencies".
 """
 from __future__ import annotations
 

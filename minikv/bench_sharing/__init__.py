@@ -19,6 +19,7 @@ re-exported here.
 """
 from __future__ import annotations
 
+from ..bench_base import hit_rate_vs_tenants
 from .cost import CollectBetweenForks, DecisionsOnly, admit_only, bench_zipf
 from .leak import MAX_PROBES, SybilOracle, bench_leaks, count_oracle, timing_audit, ttft_oracle
 from .workload import MONITOR, POOL_BLOCKS, SELECTIVE, ZIPF, policies, secrets, zipf_workload
@@ -32,7 +33,6 @@ GOAL = "Zipf: selective recovers >= 70% of the tenant->shared gap; 0 tokens with
 
 def bench_sharing(llm, tiny=None) -> dict:
     """Everything above.  ``llm``: the bench's model (the 2-question table); ``tiny``: tiny-random."""
-    from ..bench import hit_rate_vs_tenants
     from ..llm import LLM
 
     tiny = tiny if tiny is not None else LLM("tiny-random", device=str(llm.engine.device))

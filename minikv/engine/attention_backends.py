@@ -17,7 +17,7 @@ minikv has two implementations of the same forward pass, chosen by
   lie in the pool: no gathered copy, no padding to the longest context, no mask.  CPU only; the
   kernel is compiled once at set-up (``make model``), never by a request.
 * ``"auto"`` -- ``"paged"`` on a CPU where set-up built the kernel, ``"fused"`` everywhere else
-  (measured on the 2-core CPU, see README "Benchmark").  It never compiles anything: on the
+  (measured on the 2-core CPU, see docs/BENCHMARKS.md).  It never compiles anything: on the
   CPU ``flex_attention`` works only through ``torch.compile`` (about 27 s for the first compile
   and about 2x slower than SDPA at 1,024 tokens, measured for issue 11), so SDPA or the
   prebuilt kernel it is; a machine without a compiler simply runs ``"fused"``.

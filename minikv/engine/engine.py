@@ -35,10 +35,10 @@ from .loader import eos_token_ids, resolve_dtype
 from .matmuls import prepare as prepare_matmuls
 from .model_runner import score_tokens
 from .outputs import RequestOutput
-from .sampling import SamplingParams, sample, stop_reason
+from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .seams import EngineSeams
-from .sequence import Sequence, SequenceStatus, common_prefix_len
+from .sequence import Sequence, SequenceStatus, common_prefix_len, stop_reason
 from .sharing import make_sharing
 from .snapshot import PoolSnapshot, capture
 

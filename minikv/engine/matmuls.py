@@ -31,7 +31,7 @@ A decoder layer has four weight matrices (qkv, o_proj, gate_up, down) and two re
   measured on an AMD EPYC without AMX (SmolLM2's 120 layer matmuls, one pass, the two
   interleaved, medians of 7): 1 row 9.1 ms against 18.4 ms oneDNN-packed, 16 rows 14.0 against
   21.0, 28 rows 22.7 against 28.8, 48 rows 33.0 against 44.9; bf16 prefills keep oneDNN's packed
-  kernel.  In fp32, measured on the 2-core Intel CPU (C in the README), SmolLM2's 120 layer
+  kernel.  In fp32, measured on the 2-core Intel CPU (C in docs/BENCHMARKS.md), SmolLM2's 120 layer
   matmuls, interleaved, medians of two runs: 16 rows 34.4 and 33.2 ms against 44.5 and 46.9
   oneDNN-packed and 59.0 and 59.6 dense; 28 rows 47.2 and 40.8 against 61.5 and 53.1 and 72.8 and
   61.8 (the kernel's header has the table).  Longer steps go back to ``F.linear``.  Its

@@ -1,5 +1,8 @@
 """Sampling parameters (vLLM's names) and the sampler that turns logits into tokens.
 
+When a request *stops* is the sequence's business (``sequence.stop_reason``): this module knows
+logits and parameters, never a :class:`Sequence`, so the two never import each other.
+
 Why per-request generators?  A seeded request must produce the same tokens whether it runs
 alone or inside a batch of 60 strangers, otherwise "seed" means nothing in a server.  Each
 sequence therefore draws from its own ``torch.Generator``; the batch only shares the logits
@@ -8,14 +11,10 @@ computation, never the randomness.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from .checks import as_int, as_real, as_seed, check_bool, show
-
-if TYPE_CHECKING:
-    from .sequence import Sequence
 
 # Temperatures below this are greedy (vLLM's ``_SAMPLING_EPS``).  Dividing logits by a tiny
 # positive temperature is not "almost greedy" in floating point: 1e-50 is 0 in fp32, and the
@@ -169,25 +168,3 @@ def sample_row(row: torch.Tensor, p: SamplingParams, generator: torch.Generator 
         row = row.scatter(0, order[drop], float("-inf"))
     probs = torch.softmax(row, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator).item())
-
-
-def stop_reason(seq: "Sequence", tok: int, eos_ids: set[int], max_model_len: int,
-                new_chars: int | None = None) -> str | None:
-    """Why ``seq`` stops after its new token ``tok`` ("stop", "length"), or None to go on.
-    A stop string cuts ``seq.output_text`` (already detokenized) where it starts.
-
-    ``new_chars``: how many characters at the end of the text are new this step.  Only they,
-    and the ``len(stop) - 1`` before them that a stop string may straddle, are searched, so a
-    step costs O(new text), not O(output); None searches everything."""
-    p = seq.params
-    if (not p.ignore_eos and tok in eos_ids) or tok in p.stop_token_ids:
-        return "stop"
-    text = seq.output_text
-    for s in p.stop_strings:
-        idx = text.find(s, 0 if new_chars is None else max(0, len(text) - new_chars - len(s) + 1))
-        if idx >= 0:
-            seq.output_text = seq.output_text[:idx]
-            return "stop"
-    if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= max_model_len:
-        return "length"
-    return None

@@ -112,3 +112,25 @@ def common_prefix_len(ids: list[int], public: list[int]) -> int:
             break
         n += 1
     return n
+
+
+def stop_reason(seq: Sequence, tok: int, eos_ids: set[int], max_model_len: int,
+                new_chars: int | None = None) -> str | None:
+    """Why ``seq`` stops after its new token ``tok`` ("stop", "length"), or None to go on.
+    A stop string cuts ``seq.output_text`` (already detokenized) where it starts.
+
+    ``new_chars``: how many characters at the end of the text are new this step.  Only they,
+    and the ``len(stop) - 1`` before them that a stop string may straddle, are searched, so a
+    step costs O(new text), not O(output); None searches everything."""
+    p = seq.params
+    if (not p.ignore_eos and tok in eos_ids) or tok in p.stop_token_ids:
+        return "stop"
+    text = seq.output_text
+    for s in p.stop_strings:
+        idx = text.find(s, 0 if new_chars is None else max(0, len(text) - new_chars - len(s) + 1))
+        if idx >= 0:
+            seq.output_text = seq.output_text[:idx]
+            return "stop"
+    if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= max_model_len:
+        return "length"
+    return None

@@ -1,0 +1,237 @@
+"""Grader for exercise 3b: where in the block lifecycle to scrub.
+
+``check_scrub_placement`` grades a *placement decision*, ``scrub_action(transition, seq)``, run
+inside real engines through the given :class:`~minikv.grading.harness.PlacedScrubber`.  One small
+engine per path a block can take back to the free list -- a request that finishes, is preempted,
+is aborted, an LRU eviction, a quota eviction, an operator's ``reset_prefix_cache`` -- each built so
+that the released blocks really are handed to another request.  A listener that runs right after
+the engine's scrub inspects every block the moment it is allocated to a request: it must be all
+zeros (a slot the new owner never wrote).  The path that failed names the bug class.  Then a
+multi-tenant workload with repeats must give the cached tokens of minikv's own scrubber (same-
+tenant hits kept) and logits equal to a cache-off engine's (nothing still needed was destroyed).
+Finally one prompt sent twice in one step, then again: the second copy *adopts* the first's blocks
+at commit, and the logits must still equal a cache-off engine's (the adopted twin was kept).
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..engine.lifecycle import Transition
+from ..engine.sampling import SamplingParams
+from ..engine.sequence import Sequence, SequenceStatus
+from ..security.scrub import zero_blocks as ref_zero_blocks
+from ._report import CheckFailed, call_safely, expect, grader, single_thread
+from .engines import tiny_llm
+from .harness import KEEP, ZERO, PlacedScrubber
+
+NUM_BLOCKS = 16  # engine pool: two or three requests at a time, so blocks are evicted and reused constantly
+UNLIMITED = dict(max_cached_blocks_per_tenant="unlimited")  # no quota evictions where they would blur a path
+GEN = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+TEXTS = [f"t{i} note {i * 7919 % 1000:03d}: code {i}{i}{i}." for i in range(8)]  # 23 tokens: 6 blocks of 4
+
+#: path -> (bug class, why it matters); the order is the order they are run and diagnosed in
+PATHS = {
+    "finish": ("not scrubbed when a request finishes (transition 'free')",
+               "a finished request's uncached blocks go back to the free list through 'free'."),
+    "preempt": ("scrubs on the free path but not on PREEMPTION",
+                "a preempted request is still running when its blocks are released (seq.status is RUNNING, "
+                "not FINISHED): decide by the transition, never by how the request ended."),
+    "abort": ("scrubs on the free path but not on ABORT",
+              "an aborted request (finish_reason 'abort') releases its blocks through the same 'free' row."),
+    "lru": ("not scrubbed on LRU EVICTION (transition 'evict')",
+            "an evicted cached block goes to the free list; its bytes reach whoever allocates it next."),
+    "quota": ("not scrubbed on QUOTA eviction (transition 'evict')",
+              "a tenant over its cache quota has its oldest blocks evicted: the same 'evict' row."),
+    "reset": ("not scrubbed on reset_prefix_cache (operator eviction, seq None)",
+              "reset_prefix_cache evicts with seq=None: your decision must not depend on there being a request."),
+}
+
+
+class _DirtyWatch:
+    """Listener after the engine's scrub: every freshly allocated block must be all zeros; also
+    records which blocks left through which transition, so each path can prove it recycled them."""
+
+    def __init__(self, engine):
+        self.engine, self.dirty, self.released, self.reused = engine, [], set(), set()
+        engine.block_manager.listeners.append(self)
+
+    def __call__(self, transition, ids, seq) -> None:
+        if transition in (Transition.FREE, Transition.EVICT):
+            self.released.update(ids)
+        if transition != Transition.ALLOCATE:
+            return
+        self.reused.update(b for b in ids if b in self.released)
+        pool = self.engine.pool
+        for bid in ids:
+            if pool.k_cache[:, bid].abs().sum() > 0 or pool.v_cache[:, bid].abs().sum() > 0:
+                self.dirty.append(f"block {bid} to a request of tenant {seq.tenant!r}")
+
+
+def _run_path(path: str, action) -> None:
+    """Run ``path`` on a fresh engine with ``action``; raise CheckFailed if a request ever got a dirty block."""
+    caching = path not in ("finish", "preempt", "abort")  # the first three: every release is a 'free'
+    kwargs = dict(enable_prefix_caching=caching, **({} if path == "quota" else UNLIMITED))
+    kwargs["num_blocks"] = {"preempt": 9, "quota": 64, "reset": 24}.get(path, 16)
+    if path == "quota":
+        kwargs["max_cached_blocks_per_tenant"] = 2
+    scrubber = PlacedScrubber(action, ref_zero_blocks)
+    llm = tiny_llm(scrubber=scrubber, **kwargs)
+    eng = llm.engine
+    scrubber.attach(eng)
+    watch = _DirtyWatch(eng)
+    if path == "preempt":  # two long decodes in 9 blocks: the newer one is preempted, its blocks reused
+        llm.generate(["p0 short", "p1 short", "p2 short"],
+                     SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True), tenant=["t0", "t1", "t2"])
+        if eng.stats["preemptions"] == 0:
+            raise RuntimeError("grader bug: the preemption path never preempted")
+    elif path == "abort":  # abort a running request, then another tenant takes its blocks
+        for i in range(2):
+            eng.add_request(f"a{i}", TEXTS[i], GEN, tenant=f"t{i}")
+        eng.step()
+        eng.abort_request("a0")
+        while eng.has_unfinished_requests():
+            eng.step()
+        for i in (2, 3):
+            llm.generate([TEXTS[i]], GEN, tenant=f"t{i}")
+    elif path == "reset":
+        llm.generate([TEXTS[0]], GEN, tenant="t0")
+        eng.reset_prefix_cache()
+        for i in range(1, 5):
+            llm.generate([TEXTS[i]], GEN, tenant=f"t{i}")
+    else:  # finish, lru, quota: one request after another, different tenants, so blocks cycle
+        for i in range(6 if path != "quota" else 8):
+            llm.generate([TEXTS[i], TEXTS[(i + 3) % 8]] if path == "quota" else [TEXTS[i]], GEN,
+                         tenant=[f"t{i}", f"t{i}"] if path == "quota" else f"t{i}")
+    if not watch.reused:
+        raise RuntimeError(f"grader bug: the {path!r} path never recycled a released block")
+    bug, why = PATHS[path]
+    expect(not watch.dirty, f"{bug}: the engine handed {len(watch.dirty)} block(s) still holding old K/V to new "
+           f"requests, e.g. {watch.dirty[0] if watch.dirty else ''}", why)
+
+
+#: Requests of 6 tenants, alone and in batches, with repeats (cache hits) and evictions; indexes
+#: into TEXTS, one generate() per group.
+PLAN = ((0,), (0,), (1, 2), (3,), (4, 5, 1), (2,), (3, 0))
+#: One prompt twice in one step (both compute it; at commit the second ADOPTS the first's blocks,
+#: which both then read while decoding), then once more (it hits them).
+ADOPT_PLAN = ((6, 6), (6,))
+
+
+def _workload(llm, plan=PLAN) -> tuple[list, list[int]]:
+    """Run ``plan`` (tenant ``t<i>`` sends ``TEXTS[i]``).  Returns (per-step logits, cached tokens
+    per request)."""
+    eng = llm.engine
+    eng.logit_trace = []
+    cached = []
+    for group in plan:
+        outs = llm.generate([TEXTS[i] for i in group], GEN, tenant=[f"t{i}" for i in group])
+        cached += [o.num_cached_tokens for o in outs]
+    return eng.logit_trace, cached
+
+
+@functools.lru_cache(maxsize=4)
+def _reference(caching: bool, plan=PLAN):
+    """``plan`` on minikv's own ``scrub="on_alloc"``, with or without prefix caching (computed once)."""
+    with single_thread():
+        return _workload(tiny_llm(enable_prefix_caching=caching, num_blocks=NUM_BLOCKS, scrub="on_alloc"), plan)
+
+
+def _same_logits(trace, ref_trace) -> bool:
+    """Per-request logits of every step, in order (a hit changes which step computes what, so steps are
+    compared per request, not per step index)."""
+    def per_request(t):
+        out: dict = {}
+        for step in t:
+            for rid, logits in step.items():
+                out.setdefault(rid, []).append(logits[-1] if logits.dim() > 1 else logits)
+        return out
+    a, b = per_request(trace), per_request(ref_trace)
+    return a.keys() == b.keys() and all(len(a[r]) == len(b[r]) and all(
+        torch.allclose(x, y, atol=1e-4) for x, y in zip(a[r], b[r])) for r in a)
+
+
+def _placed_llm(action):
+    """A caching engine whose scrubber follows ``action`` (zeroing with minikv's own zero_blocks)."""
+    scrubber = PlacedScrubber(action, ref_zero_blocks)
+    llm = tiny_llm(enable_prefix_caching=True, num_blocks=NUM_BLOCKS, scrubber=scrubber)
+    scrubber.attach(llm.engine)
+    return llm
+
+
+def _check_adoption(action) -> None:
+    """ADOPT_PLAN's logits must equal a cache-off engine's: the twin adopted at commit is live."""
+    llm = _placed_llm(action)
+    adopted = []
+    llm.engine.block_manager.listeners.insert(  # first: it sees the adoption even if the scrub raises
+        0, lambda t, ids, seq: adopted.extend(ids) if t == Transition.ADOPT else None)
+    trace, _ = _workload(llm, ADOPT_PLAN)
+    if not adopted:
+        raise RuntimeError("grader bug: two copies of one prompt in one step adopted nothing")
+    failed = llm.engine.stats["failed"]
+    expect(not failed, f"{failed} request(s) failed when one prompt arrived twice in one step: your scrub_action "
+           "raised when the second request ADOPTED the first's blocks at commit (bug class: a transition left "
+           "undecided)", "'adopt' is a row of LIFECYCLE like the others: decide it (it hands over a live block).")
+    expect(_same_logits(trace, _reference(False, ADOPT_PLAN)[0]),
+           "outputs differ from a cache-off engine's when one prompt arrives twice in one step: your placement "
+           "zeroed the block the second request ADOPTED at commit, which both requests still read (bug class: "
+           "wipes every ADOPTED block)",
+           "an adoption hands over a live block, as a hit does: keep it.  The duplicate it lets go of leaves "
+           "through 'free', and is scrubbed there.")
+
+
+@single_thread()
+def engine_stage_placement(action) -> tuple[list[int], int]:
+    """Every path, then the hit workload, then an adoption; raise :class:`CheckFailed` on the first
+    failure.  Returns (cached tokens per request, engine steps) of the hit workload."""
+    for path in PATHS:
+        _run_path(path, action)
+    llm = _placed_llm(action)
+    trace, cached = _workload(llm)
+    _, ref_cached = _reference(True)
+    expect(cached == ref_cached, f"same-tenant hits lost: cached tokens per request {cached}, minikv's scrubber keeps "
+           f"{ref_cached} (bug class: scrubbing destroys the reuse the cache exists for)",
+           "a hit, a store and a block released into the cache hold data that is MEANT to be read again.")
+    ref_trace, _ = _reference(False)
+    expect(_same_logits(trace, ref_trace), "outputs differ from a cache-off engine's: your placement zeroed K/V that "
+           "a running request or a cache hit still needed (bug class: scrub destroys live data)",
+           "zero only blocks on their way into (or out of) the free list -- never live or cached ones.")
+    _check_adoption(action)
+    return cached, llm.engine.stats["steps"]
+
+
+def _fake_seq(status: SequenceStatus, reason: str | None = None) -> Sequence:
+    seq = Sequence("probe", [3, 4, 5, 6], SamplingParams(), tenant="t")
+    seq.status, seq.finish_reason = status, reason
+    return seq
+
+
+@grader("decide by the lifecycle transition: which rows put old bytes within a NEW reader's reach, and which hand "
+        "data to a reader who is meant to have it?")
+def check_scrub_placement(scrub_action) -> str:
+    """Exercise 3b: a decision for every transition, right on every path through the real engine."""
+    seqs = {"running": _fake_seq(SequenceStatus.RUNNING), "finished": _fake_seq(SequenceStatus.FINISHED, "stop"),
+            "aborted": _fake_seq(SequenceStatus.FINISHED, "abort"), "operator (None)": None}
+    for t in Transition:
+        for who, seq in seqs.items():
+            got, exc = call_safely(scrub_action, t, seq)
+            expect(exc is None, f"scrub_action({t.value!r}, <{who}>) raised {type(exc).__name__}: {exc} -- but "
+                   f"{t.value!r} is a transition of the lifecycle (bug class: a transition left undecided)",
+                   "every row of LIFECYCLE needs a decision, including 'adopt' (a same-step duplicate swapped "
+                   "for its twin at commit); only names that are not transitions raise ValueError.")
+            expect(got in (ZERO, KEEP), f"scrub_action({t.value!r}, <{who}>) returned {got!r}; expected ZERO or KEEP")
+            if t in (Transition.HIT, Transition.ADOPT, Transition.STORE, Transition.CACHE) and got == ZERO:
+                what = {"hit": "wipes every HIT", "adopt": "wipes every ADOPTED block",
+                        "store": "zeroes a block right after it is STORED",
+                        "cache": "zeroes blocks released INTO the cache"}[t.value]
+                raise CheckFailed(f"your decision {what} (transition {t.value!r}): that destroys data a reader is "
+                                  "meant to reuse (bug class: scrubbing destroys the reuse the cache exists for)",
+                                  "zero on the way into the free list ('free', 'evict') or out of it ('allocate').")
+    _, exc = call_safely(scrub_action, "defragment", None)
+    expect(isinstance(exc, ValueError), f"scrub_action('defragment', None) "
+           f"{'returned normally' if exc is None else 'raised ' + type(exc).__name__}; expected ValueError",
+           "an unknown transition is a new lifecycle row nobody has decided yet: refuse it loudly.")
+    cached, steps = engine_stage_placement(scrub_action)
+    return (f"right on every path ({', '.join(PATHS)}): no request ever received old K/V; {sum(cached)} same-tenant "
+            f"cached tokens kept over {steps} steps, outputs equal to a cache-off engine")

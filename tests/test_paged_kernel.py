@@ -179,10 +179,10 @@ def test_a_changed_source_is_a_different_build(tmp_path, monkeypatch):
         assert paged_cpu.library_path() != first and first.parent == paged_cpu.library_path().parent
         monkeypatch.undo()
         monkeypatch.setenv("MINIKV_HOME", str(tmp_path))
-    assert [p.name for p in paged_cpu.HEADERS] == ["cpu_vec.h"]
+    assert [p.name for p in paged_cpu.HEADERS] == ["attention_tiles.h", "cpu_vec.h"]
     edited = tmp_path / "cpu_vec.h"
-    edited.write_text(paged_cpu.HEADERS[0].read_text() + "\n// edited\n")
-    monkeypatch.setattr(paged_cpu, "HEADERS", [edited])  # a header both sources include
+    edited.write_text(paged_cpu.HEADERS[1].read_text() + "\n// edited\n")
+    monkeypatch.setattr(paged_cpu, "HEADERS", [paged_cpu.HEADERS[0], edited])  # a header every source includes
     assert paged_cpu.library_path() != first
     monkeypatch.undo()
     monkeypatch.setenv("MINIKV_HOME", str(tmp_path))

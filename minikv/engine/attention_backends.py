@@ -30,7 +30,7 @@ from __future__ import annotations
 BACKENDS = {
     "reference": "explicit per-layer gather and masks (what the lessons read)",
     "fused": "per-step metadata, batched SDPA per layer, no per-layer casts",
-    "paged": "fused, with minikv's C++ CPU kernels: decodes read in place from the pool, fresh prefills in one call",
+    "paged": "fused, with minikv's C++ CPU kernels: decodes and prefix hits read in place from the pool, fresh prefills in one call",
 }
 FUSED = ("fused", "paged")  # the backends that run attention_fused.fused_forward
 ATTENTION_BACKENDS = (*BACKENDS, "auto")

@@ -47,7 +47,8 @@ import torch.nn.functional as F
 
 from .fused_plan import FusedPlan, Group, kv_views
 from .matmuls import matmuls_for
-from .paged_cpu import paged_decode, prefill_attention, rms_norm as kernel_rms_norm, rope_ as kernel_rope_
+from .paged_cpu import paged_decode, paged_prefill, prefill_attention, rms_norm as kernel_rms_norm, rope_ as kernel_rope_
+from .paged_cpu import rope_store_ as kernel_rope_store_
 
 
 def attend(layer: int, q: torch.Tensor, kv: torch.Tensor, pool, plan: FusedPlan,
@@ -123,6 +124,8 @@ def fused_forward(model, input_ids: torch.Tensor, pool, plan: FusedPlan) -> torc
     exact = plan.exact
     mm = matmuls_for(model, exact, plan.kernels, rows=t)  # F.linear, oneDNN-packed or few-row (matmuls.py)
     rms = _norm(model, exact, plan.kernels)
+    if plan.stored:  # prefix hits on the kernels: nine ops per layer, K/V read where they lie
+        return _stored_forward(model, x, pool, plan, mm, rms)
     for i, L in enumerate(model.layers):
         h = rms(x, L.input_norm)
         qkv = mm.qkv(i, h).view(t, -1, dim)
@@ -142,6 +145,21 @@ def fused_forward(model, input_ids: torch.Tensor, pool, plan: FusedPlan) -> torc
         pool.kv_slots[i].index_copy_(0, plan.slots, kv)  # K and V of every new token, one write
         x = mm.o_proj(i, attend(i, q, kv, pool, plan, model.scale), x)  # x + o_proj(attention)
         x = mm.mlp(i, rms(x, L.post_norm), x)  # x + down(silu(gate) * up)
+    return rms(x, model.norm)
+
+
+def _stored_forward(model, x, pool, plan: FusedPlan, mm, rms) -> torch.Tensor:
+    """The layers of a ``"stored"`` plan (``fused_plan.stored_plan``): RoPE and the pool write
+    are one op on the qkv matmul's 2-D output (``paged_cpu.rope_store_``), and the paged prefill
+    kernel reads q from that output and K/V from the pool, writing the plan's one output buffer.
+    No view, split, gather, mask or reshape is dispatched per layer."""
+    g, heads = plan.groups[0], model.shape.num_heads
+    for i, L in enumerate(model.layers):
+        qkv = kernel_rope_store_(mm.qkv(i, rms(x, L.input_norm)), plan.cos, plan.sin, plan.positions,
+                                 pool.kv_slots[i], plan.slots)
+        attn = paged_prefill(qkv, pool.kv_blocks[i], g.ctx, g.table, model.scale, heads, plan.out)
+        x = mm.o_proj(i, attn, x)
+        x = mm.mlp(i, rms(x, L.post_norm), x)
     return rms(x, model.norm)
 
 

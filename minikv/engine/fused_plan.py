@@ -79,6 +79,9 @@ class FusedPlan:
     qkv: torch.Tensor | None = None  # not exact, no RoPE kernel: [T, q_heads + 2 * kv_heads, D], each layer's roped q/k/v
     q: torch.Tensor | None = None  # [T, q_heads, D] view of ``qkv``
     kv: torch.Tensor | None = None  # [T, 2 * kv_heads, D] view: K heads then V heads, as a pool slot
+    stored: bool = False  # one "stored" group: RoPE and the pool write in one op, attention in place (the kernels)
+    out: torch.Tensor | None = None  # stored: [T, q_heads * D], every layer's attention output
+    positions: torch.Tensor | None = None  # stored: [T] position of each row (cos/sin are then whole tables)
 
 
 def to_device(values, dtype, device) -> torch.Tensor:
@@ -184,11 +187,11 @@ def build_plan(model, positions: torch.Tensor, slots: torch.Tensor, prefills: li
     SDPA one sequence at a time.  It reduces in another order than SDPA, so its prefills are no
     longer transformers' bits: 5.8e-5 (tiny-random) and 1.8e-4 (SmolLM2, largest logit 37.7) apart
     in fp32, on prompts of up to 700 tokens, within the decode tolerance (2e-4).  ``score``, whose
-    logits are the ones compared with transformers', leaves it off and stays bit for bit.  Prefix-hit prefills stay on SDPA
-    over a gathered copy: a causal multi-query version of the kernel was tried and lost, because
-    one sequence gives it only ``kv_heads`` tasks and it computes a row at a time where SDPA's
-    kernel works in tiles: one prefill over a 1,024-token context took 0.7x (8 new tokens), 2.5x
-    (28) and 3.3x (256) the time of gather + SDPA in fp32, 1.8-6.7x in bf16 (measured, 2-core CPU)."""
+    logits are the ones compared with transformers', leaves it off and stays bit for bit.  A step of prefix hits without a fresh
+    prefill runs :func:`stored_plan` instead (the tiled kernel reading the pool in place; an
+    earlier row-at-a-time version lost to gather + SDPA, this one mostly wins: kernel / (gather +
+    SDPA) per layer, 20 new tokens over 1,012, 0.50 fp32 and 0.46 bf16, interleaved medians on
+    the loaded 2-core CPU, load ~4.7, so noisy; 8 new tokens in bf16 lost, 1.43)."""
     s, device, dtype = model.shape, model.device, model.dtype
     # Only a fresh prefill is held to transformers' exact rounding (its logits, and ``score``'s, match
     # bit for bit); prefix-hit prefills and decodes reduce in another order anyway (2e-4).
@@ -196,6 +199,8 @@ def build_plan(model, positions: torch.Tensor, slots: torch.Tensor, prefills: li
     # minikv's RoPE op rotates q and k in place in one pass, bit for bit ATen's ops (pointwise.cpp)
     rope_kernel = paged and dtype in (torch.float32, torch.bfloat16)
     causal_kernel = causal_kernel and rope_kernel  # the same library, the same dtypes
+    kw = dict(block_size=block_size, pad_block=pad_block, rep=s.num_heads // s.num_kv_heads,
+              dtype=dtype, device=device)
     if exact or rope_kernel:  # computed as transformers computes them: [T, 1, D], broadcast over heads
         cos, sin = model.rotary(positions)
         half = s.head_dim // 2
@@ -204,8 +209,6 @@ def build_plan(model, positions: torch.Tensor, slots: torch.Tensor, prefills: li
         cos_table, sin_table = rope_tables(model)
         rows = torch.where(model._rope_heads_v, s.max_position, positions.view(-1, 1))  # [T, heads]
         cos, sin = cos_table[rows], sin_table[rows]
-    kw = dict(block_size=block_size, pad_block=pad_block, rep=s.num_heads // s.num_kv_heads,
-              dtype=dtype, device=device)
     groups = []
     for kind in ("fresh", "cached"):
         mine = [p for p in prefills if (p[1] == p[2]) == (kind == "fresh")]
@@ -223,6 +226,40 @@ def build_plan(model, positions: torch.Tensor, slots: torch.Tensor, prefills: li
     plan = FusedPlan(slots, cos, sin, groups + list(extra_groups), exact=exact, kernels=paged, rope_kernel=rope_kernel)
     _bind(plan, model, block_size)
     return plan
+
+
+def stores(model, paged: bool, prefills: list[tuple]) -> bool:
+    """Whether a step runs the ``"stored"`` plan (:func:`stored_plan`): the kernels, a dtype they
+    take, prefix hits, and no fresh prefill (a fresh one keeps transformers' op order)."""
+    return paged and model.dtype in (torch.float32, torch.bfloat16) and bool(prefills) and \
+        all(p[1] < p[2] for p in prefills)
+
+
+def stored_lists(prefills: list[tuple], decodes: list[tuple], pad_block: int) -> list[list[int]]:
+    """The host lists of a ``"stored"`` group, to be sent with the step's other metadata in one
+    copy (``to_device_split``): every block table padded to the longest with ``pad_block``, flat,
+    and (first row, new tokens, context length) of every sequence, flat; hits first, then decodes
+    as one new token each."""
+    seqs = [(p[0], p[1], p[2], p[3]) for p in prefills] + [(d[0], 1, d[1], d[2]) for d in decodes]
+    width = max(len(q[3]) for q in seqs)
+    return [[b for q in seqs for b in q[3] + [pad_block] * (width - len(q[3]))],
+            [v for q in seqs for v in q[:3]]]
+
+
+def stored_plan(model, positions, slots, table, seqs) -> FusedPlan:
+    """The plan of a step with prefix hits and no fresh prefill, on the kernels (``table`` and
+    ``seqs``: :func:`stored_lists` on the device, flat): every sequence in one ``"stored"`` group
+    for the paged prefill kernel, which reads the pool in place, so nothing is gathered, padded or
+    masked.  RoPE's tables are looked up by the kernel at each row's position
+    (:func:`rope_tables`), and one output buffer serves every layer.  Per layer that leaves nine
+    ops: two norms, four matmuls, SwiGLU, ``rope_store_`` and the attention
+    (``attention_fused.fused_forward``); per step, the buffer and the logits' few."""
+    cos_table, sin_table = rope_tables(model)
+    s = model.shape
+    group = Group("stored", slice(0, 0), slice(0, 0), None, 0, table, ctx=seqs)
+    out = torch.empty(positions.shape[0], s.num_heads * s.head_dim, dtype=model.dtype, device=model.device)
+    return FusedPlan(slots, cos_table, sin_table, [group], exact=False, kernels=True, rope_kernel=True,
+                     stored=True, out=out, positions=positions)
 
 
 def _bind(plan: FusedPlan, model, block_size: int) -> None:

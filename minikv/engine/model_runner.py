@@ -15,7 +15,7 @@ import torch
 from .attention import AttentionMetadata, PrefillItem
 from .attention_backends import FUSED
 from .attention_fused import fused_forward
-from .fused_plan import build_plan, to_device, to_device_split
+from .fused_plan import build_plan, stored_lists, stored_plan, stores, to_device, to_device_split
 from .checks import show
 from .kv_pool import slot_of
 from .matmuls import logits as fused_logits
@@ -46,9 +46,13 @@ def prepare_inputs(prefills: list[Sequence], decodes: list[Sequence], block_size
         slots.extend(slot_of(seq.block_table, p, block_size) for p in range(start, end))
         row_of[id(seq)] = len(ids) - 1
     last_rows = [row_of[id(seq)] for seq in prefills + (decodes_in_order if model is not None else decodes)]
-    input_ids, positions, slots_t, last_rows_t = to_device_split([ids, pos, slots, last_rows], device)
     if model is not None:
         dec = [(len(ids) - len(decodes) + i, s.num_tokens, s.block_table) for i, s in enumerate(decodes)]
+    if model is not None and stores(model, paged, items):  # prefix hits on the kernels: one copy for all
+        *tensors, table, seqs = to_device_split([ids, pos, slots, last_rows, *stored_lists(items, dec, pad_block)], device)
+        return tensors[0], tensors[1], stored_plan(model, tensors[1], tensors[2], table, seqs), tensors[3]
+    input_ids, positions, slots_t, last_rows_t = to_device_split([ids, pos, slots, last_rows], device)
+    if model is not None:
         return input_ids, positions, build_plan(model, positions, slots_t, items, dec, block_size, pad_block,
                                                   paged=paged, causal_kernel=causal_kernel), last_rows_t
     tables = lens = None

@@ -191,6 +191,31 @@ def prefill_attention(q, k, v, seqs, scale: float, out=None):
     return torch.ops.minikv.prefill_attention_(out, q, k, v, seqs, scale)
 
 
+def paged_prefill(qkv, blocks, seqs, tables, scale: float, q_heads: int, out):
+    """Causal attention of several new tokens per sequence over its whole context, K and V read
+    in place from one layer of the pool through each block table (``kernels/paged_prefill.cpp``):
+    prefix hits, and decodes batched with them.
+
+    ``qkv`` [T, >= q_heads * D] (the qkv matmul's output, roped: its first ``q_heads`` heads are
+    the queries), ``blocks`` ``KVPool.kv_blocks[layer]``, ``seqs`` [S, 3] int64 (first row, new
+    tokens, context length), ``tables`` [S, W] int64 (either may be flat).  The step's new K/V must be in the pool
+    already.  Writes those rows of ``out`` ([T, q_heads * D], contiguous) and returns it."""
+    import torch
+
+    return torch.ops.minikv.paged_prefill_(out, qkv, blocks, seqs, tables, scale, q_heads)
+
+
+def rope_store_(qkv, cos_table, sin_table, positions, kv_slots, slots):
+    """RoPE on the q and k heads of ``qkv`` ([T, heads_total * D], the qkv matmul's output, in
+    place), then each row's K and V stored at its pool slot (``kv_slots``: ``KVPool.kv_slots[layer]``,
+    ``slots`` [T] int64): the view, RoPE, split and ``index_copy_`` of a layer in one op, with
+    :func:`rope_`'s arithmetic.  ``cos_table``/``sin_table``: [positions, D]
+    (``fused_plan.rope_tables``), read at each row's ``positions`` [T].  Returns ``qkv``."""
+    import torch
+
+    return torch.ops.minikv.rope_store_(qkv, cos_table, sin_table, positions, kv_slots, slots)
+
+
 def rms_norm(x, weight, eps: float):
     """RMSNorm of the rows of ``x`` ([rows, n], last dim contiguous) by ``weight`` [n]: one pass,
     fp32 arithmetic, transformers' rounding order (``kernels/pointwise.cpp``)."""

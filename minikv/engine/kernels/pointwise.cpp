@@ -237,16 +237,54 @@ at::Tensor rope_(at::Tensor qkv, const at::Tensor& cos, const at::Tensor& sin, i
   return qkv;
 }
 
+// rope_ on the qkv matmul's 2-D output, then K and V of every row stored into the pool slots
+// `slots` of one layer (kv_slots: [slots, 2 * kv_heads, D], KVPool.kv_slots[layer]): the view,
+// the RoPE, the split and the index_copy_ of a fused layer, as one op.  cos_table / sin_table are
+// [max_position + 1, D] (fused_plan.rope_tables), looked up here at each row's position.  A row's
+// K and V heads are its last 2 * kv_heads * D values, a pool slot's layout: one memcpy each.
+at::Tensor rope_store_(at::Tensor qkv, const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& positions,
+                       at::Tensor kv_slots, const at::Tensor& slots) {
+  TORCH_CHECK(kv_slots.dim() == 3 && kv_slots.is_contiguous() && kv_slots.scalar_type() == qkv.scalar_type() && kv_slots.size(1) % 2 == 0,
+              "rope_store_: kv_slots must be a contiguous [slots, 2 * kv_heads, D] of qkv's dtype, got ", kv_slots.sizes(), " ",
+              kv_slots.scalar_type());
+  const int64_t D = kv_slots.size(2), kv = kv_slots.size(1), T = qkv.dim() == 2 ? qkv.size(0) : -1;
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && D > 0 && qkv.size(1) % D == 0 && qkv.size(1) / D > kv,
+              "rope_store_: qkv must be a contiguous [T, heads_total * ", D, "] with more than ", kv, " heads, got ", qkv.sizes());
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == T && slots.scalar_type() == at::kLong && slots.is_contiguous(),
+              "rope_store_: slots must be a contiguous int64 [", T, "], got ", slots.sizes(), " ", slots.scalar_type());
+  const int64_t n_slots = kv_slots.size(0), width = qkv.size(1), row = kv * D;
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < n_slots, "rope_store_: row ", t, " names slot ", sp[t], " of a pool of ", n_slots);
+  TORCH_CHECK(positions.dim() == 1 && positions.size(0) == T && positions.scalar_type() == at::kLong,
+              "rope_store_: positions must be int64 [", T, "], got ", positions.sizes(), " ", positions.scalar_type());
+  for (const at::Tensor* t : {&cos_table, &sin_table})
+    TORCH_CHECK(t->dim() == 2 && t->size(1) == D, "rope_store_: the cos and sin tables must be [positions, ", D, "], got ", t->sizes());
+  const int64_t* pp = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(pp[t] >= 0 && pp[t] < cos_table.size(0) && pp[t] < sin_table.size(0), "rope_store_: row ", t, " is at position ",
+                pp[t], ", past the tables' ", cos_table.size(0), " rows");
+  at::Tensor heads = qkv.view({T, width / D, D});
+  rope_(heads, cos_table.index_select(0, positions), sin_table.index_select(0, positions), width / D - kv / 2);  // q, k; not v
+  const size_t bytes = row * qkv.element_size();
+  const char* src = static_cast<const char*>(qkv.data_ptr()) + (width - row) * qkv.element_size();
+  char* dst = static_cast<char*>(kv_slots.data_ptr());
+  for (int64_t t = 0; t < T; ++t) std::memcpy(dst + sp[t] * bytes, src + t * width * qkv.element_size(), bytes);
+  return qkv;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(minikv, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rope_(Tensor(a!) qkv, Tensor cos, Tensor sin, int heads) -> Tensor(a!)");
+  m.def("rope_store_(Tensor(a!) qkv, Tensor cos_table, Tensor sin_table, Tensor positions, Tensor(b!) kv_slots, Tensor slots) -> Tensor(a!)");
 }
 
 TORCH_LIBRARY_IMPL(minikv, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("silu_mul", &silu_mul);
   m.impl("rope_", &rope_);
+  m.impl("rope_store_", &rope_store_);
 }

@@ -56,23 +56,24 @@ TARGETS = {"ttft_hit_over_miss": "<= 0.05 (fp32)",
 SECTIONS = {"throughput", "ttft", "prefill", "ops", "isolation", "fairness", "trail", "sharing"}
 
 
-def bench_throughput(model: str, device, dtypes: list[str], n=16, max_tokens=64) -> dict:
+def bench_throughput(model: str, device, dtypes: list[str], n=16, max_tokens=64, **engine) -> dict:
     """minikv vs transformers' padded ``generate`` in each dtype (:func:`minikv.bench_engine.throughput`):
     tokens/s of minikv, of its reference backend and of transformers, and the ratios."""
     path = resolve_model(model)
-    return {d: throughput(LLM(model, device=device, dtype=d), path, n=n, max_tokens=max_tokens) for d in dtypes}
+    return {d: throughput(LLM(model, device=device, dtype=d, **engine), path, n=n, max_tokens=max_tokens)
+            for d in dtypes}
 
 
-def bench_prefill(model: str, device, dtypes: list[str], n=16) -> dict:
+def bench_prefill(model: str, device, dtypes: list[str], n=16, **engine) -> dict:
     """Prefill FLOP/s of ``n`` prompts against the matmul peak measured here, per dtype
     (:mod:`minikv.bench_prefill`)."""
-    return {d: prefill_efficiency(LLM(model, device=device, dtype=d), n=n) for d in dtypes}
+    return {d: prefill_efficiency(LLM(model, device=device, dtype=d, **engine), n=n) for d in dtypes}
 
 
-def bench_ttft(model: str, device, dtype, repeats=5, seed=0) -> dict:
+def bench_ttft(model: str, device, dtype, repeats=5, seed=0, **engine) -> dict:
     # A resident pool (bench_base.resident): on a young one each miss writes never-written blocks
     # and pays their page faults, which a hit (two new blocks) does not, flattering the ratio.
-    llm = resident(LLM(model, device=device, dtype=dtype, enable_prefix_caching=True))
+    llm = resident(LLM(model, device=device, dtype=dtype, enable_prefix_caching=True, **engine))
     vocab = llm.engine.model.shape.vocab_size
     system = random_prompts(vocab, 1, 1000, 1000, seed)[0]
     questions = random_prompts(vocab, 2 * repeats + 3, 20, 20, seed + 1)  # hits, misses, warm-up, 2 for the ops
@@ -172,25 +173,31 @@ def main(argv=None) -> int:
                     help="comma-separated sections: " + ", ".join(sorted(SECTIONS)))
     ap.add_argument("--fairness-rounds", type=int, default=1, help="repeat the fairness sweep (gaps pooled)")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
+    ap.add_argument("--kv-cache-gb", type=float, default=1.0,
+                    help="KV pool of every engine the bench builds (GiB; the engine's default 1). Pools are made "
+                         "resident before timing, so this is their memory: the CPU dry run of make gpu-check uses 0.25")
     args = ap.parse_args(argv)
+    if not args.kv_cache_gb > 0:
+        ap.error(f"--kv-cache-gb must be > 0, got {args.kv_cache_gb}")
+    engine = {"kv_cache_memory_gb": args.kv_cache_gb}
     for flag, value in (("--requests", args.requests), ("--max-tokens", args.max_tokens)):
         if value < 1:
             ap.error(f"{flag} must be at least 1, got {value}")
     sections = set(args.only.split(","))
     if sections - SECTIONS:
         ap.error(f"unknown section(s) {', '.join(sorted(sections - SECTIONS))}; choose from {', '.join(sorted(SECTIONS))}")
-    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, **engine)
     dtypes = args.dtypes.split(",")
     device, dtype = llm.engine.device, llm.engine.dtype
     report = {"model": args.model, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
               "threads": torch.get_num_threads(), "machine": machine_info(device),
               "kv_pools": "resident"}  # every timed engine's, before its clock starts (bench_base.resident)
     if "throughput" in sections:
-        report["throughput_by_dtype"] = bench_throughput(args.model, args.device, dtypes, args.requests, args.max_tokens)
+        report["throughput_by_dtype"] = bench_throughput(args.model, args.device, dtypes, args.requests, args.max_tokens, **engine)
     if "ttft" in sections:
-        report["ttft"] = bench_ttft(args.model, args.device, args.dtype)
+        report["ttft"] = bench_ttft(args.model, args.device, args.dtype, **engine)
     if "prefill" in sections:
-        report["prefill_by_dtype"] = bench_prefill(args.model, args.device, dtypes, args.requests)
+        report["prefill_by_dtype"] = bench_prefill(args.model, args.device, dtypes, args.requests, **engine)
     if "ops" in sections:
         report["ops"] = decode_ops(llm)
     if "isolation" in sections:

@@ -36,6 +36,7 @@ import warnings
 from dataclasses import asdict, dataclass
 
 import numpy as np
+from .sealed import make_undumpable
 
 ATTACKER_KEY = "sk-lab-attacker"
 PREFIX, SUFFIX = "Vault PIN: ", ". Keep it safe."
@@ -150,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clock", choices=("virtual", "real"), default="virtual")
     ap.add_argument("--seed", type=int, default=None, help="fixed secret (lessons); default: fresh from os.urandom")
     args = ap.parse_args(argv)
+    make_undumpable()  # before the secret exists: no other process of this user can read our memory
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(8), "big")
     from ..serve import BackgroundServer
 

@@ -120,19 +120,21 @@ def strict_problems(source: str, filename: str = "<submission>") -> list[tuple[i
 
 def check_file(path: Path, grading_submission: bool = False, stub: str | None = None) -> list[str]:
     """Messages for every forbidden import in ``path`` (empty: the file may be graded).  With
-    ``grading_submission``, also everything :func:`strict_problems` finds, except what ``stub``
-    (the exercise's own generated stub) does itself: the capstone stub imports ``os``."""
+    ``grading_submission``, also everything :func:`strict_problems` finds -- unless ``stub`` (the
+    exercise's own generated stub) already does such things itself: the capstone's stub imports
+    ``os`` and ``subprocess`` because an audit runs tools, so its file is exempt from the strict
+    read (it runs sealed like every other; only the forbidden imports still apply)."""
     rules = {**FORBIDDEN, **(GRADER_MODULES if grading_submission else {})}
     try:
         source = Path(path).read_text(encoding="utf-8")
         hits = forbidden_imports(source, str(path), rules)
         strict = strict_problems(source, str(path)) if grading_submission else []
-        allowed = {what for _, what in strict_problems(stub)} if stub and grading_submission else set()
+        exempt = bool(stub and grading_submission and strict_problems(stub))
     except (SyntaxError, ValueError):
         return []  # the import itself will fail and be reported with the syntax error
     except OSError as exc:
         return [f"{Path(path).name}: cannot be read ({exc.strerror})"]
-    strict = [(line, what) for line, what in strict if what not in allowed]
+    strict = [] if exempt else strict
     return [f"{Path(path).name}:{line} {what}: the exercises do not need this, so the grader refuses it "
             f"before running anything (your code runs sealed, apart from the graders; this check only "
             f"says so early)" for line, what in strict] + [f"{Path(path).name}:{line} imports {module}: {why}.  The grader refuses a file that imports it: "

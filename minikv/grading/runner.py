@@ -250,8 +250,15 @@ def main(package: str = "exercises", argv: list[str] | None = None, json_path: s
         payload = {"results": results, "messages": messages, "statuses": statuses, "error": error}
         if sign_key:
             payload["sig"] = sign(payload, sign_key)
-        Path(json_path).write_text(json.dumps(payload, ensure_ascii=False))
+        text = json.dumps(payload, ensure_ascii=False)
+        if json_path == "-":  # on stdout, after a marker: no file another process could rewrite
+            print("\n" + RESULT_MARK + text, flush=True)
+        else:
+            Path(json_path).write_text(text)
     return 0 if all(results.values()) else 1
+
+
+RESULT_MARK = "@@MINIKV-RESULT@@"
 
 
 def sign(payload: dict, key: bytes) -> str:
@@ -269,7 +276,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(prog="python -m minikv.grading.runner", description="grade a package of exercises")
     ap.add_argument("package", help="importable package name (exercises, solutions, or a submission)")
     ap.add_argument("ids", nargs="*", help="exercise ids (default: all)")
-    ap.add_argument("--json", dest="json_path", help="also write the results to this JSON file")
+    ap.add_argument("--json", dest="json_path", help="also write the results to this JSON file ('-': stdout)")
     ap.add_argument("--strict", action="store_true", help="graded submission: sealed runs, the strict gate")
     ap.add_argument("--sign-stdin", action="store_true", help="read a key from stdin and sign the JSON with it")
     a = ap.parse_args()

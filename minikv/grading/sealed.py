@@ -47,8 +47,6 @@ HERE = Path(__file__).resolve().parent
 SANDBOX_USER = "minikv-sandbox"
 #: per child: CPU seconds, address space, open files, bytes a file may grow to
 LIMITS = {"cpu_s": 600, "memory_bytes": 8 << 30, "files": 256, "file_bytes": 256 << 20}
-#: what a child may hand back rebuilt as the real class (everything else arrives as plain fields)
-KNOWN = {"minikv.engine.sampling:SamplingParams": "minikv.engine.sampling:SamplingParams"}
 MAX_LINE = 256 << 20
 
 
@@ -118,12 +116,29 @@ def isolation() -> str:
     if user is not None:
         return (f"sealed: learner code runs as user {user.pw_name} (uid {user.pw_uid}), apart from the graders "
                 "and the lab servers (root)")
-    return (f"sealed: no second Unix user ({why_no_second_user()}), so learner code runs as this user; the graders "
+    root = " without any capability (uid 0, no CAP_SYS_PTRACE/CAP_DAC_OVERRIDE)" if os.geteuid() == 0 else ""
+    return (f"sealed: no second Unix user ({why_no_second_user()}), so learner code runs as this user{root}; the graders "
             "and lab servers are non-dumpable (their memory and /proc entries are closed to it) and the lab "
             "secrets are drawn inside the servers, never written anywhere")
 
 
+def drop_root_powers() -> None:
+    """For a child that must stay uid 0 (no second user can run this interpreter): drop every
+    capability from the bounding and ambient sets and forbid regaining any (``no_new_privs``), so
+    after ``exec`` it holds none -- no ``CAP_SYS_PTRACE`` (a non-dumpable grader or lab server is
+    closed to it) and no ``CAP_DAC_OVERRIDE`` (other users' 0700 folders are closed)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in range(64):
+        libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP (fails harmlessly past the last capability)
+    libc.prctl(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL
+    libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
+
+
 def _limits() -> None:
+    if os.geteuid() == 0:  # still root here: a second user was not possible (see isolation())
+        drop_root_powers()
     for what, value in ((resource.RLIMIT_CPU, LIMITS["cpu_s"]), (resource.RLIMIT_AS, LIMITS["memory_bytes"]),
                         (resource.RLIMIT_NOFILE, LIMITS["files"]), (resource.RLIMIT_FSIZE, LIMITS["file_bytes"])):
         resource.setrlimit(what, (value, value))
@@ -327,9 +342,16 @@ class SealedChild:
 
 
 def _known() -> dict:
+    """The classes a child's data may be rebuilt as (by their constructor's own fields only)."""
+    import dataclasses
+
     from ..engine.sampling import SamplingParams
 
-    return {"minikv.engine.sampling:SamplingParams": SamplingParams}
+    def build(**fields):
+        return SamplingParams(**{f.name: fields[f.name] for f in dataclasses.fields(SamplingParams)
+                                 if f.init and f.name in fields})
+
+    return {"minikv.engine.sampling:SamplingParams": build}
 
 
 def _rebuild(reply: dict) -> BaseException:

@@ -32,7 +32,7 @@ FORBIDDEN: dict[str, str] = {
     "minikv.audit.detector": "minikv.audit.detector is the reference probing detector",
 }
 #: also forbidden in graded submissions: code that could reach into the graders
-GRADER_MODULES: dict[str, str] = {"minikv.grading": "minikv.grading holds the graders themselves"}
+GRADER_MODULES: dict[str, str] = {"minikv.grading": "tampering: minikv.grading holds the graders themselves"}
 #: strict mode: modules that reach the process, the interpreter or other code
 STRICT_MODULES = ("os", "sys", "builtins", "importlib", "ctypes", "gc", "inspect", "subprocess", "socket",
                   "shutil", "pathlib", "io", "pickle", "marshal", "types", "threading", "multiprocessing",
@@ -114,7 +114,7 @@ def strict_problems(source: str, filename: str = "<submission>") -> list[tuple[i
             while isinstance(base, ast.Attribute):
                 base = base.value
             if isinstance(t, ast.Attribute) and isinstance(base, ast.Name) and base.id in modules:
-                found.append((node.lineno, f"assigns to {ast.unparse(t)} (patches an imported module)"))
+                found.append((node.lineno, f"assigns to {ast.unparse(t)} (tampering: patches an imported module)"))
     return sorted(set(found))
 
 

@@ -112,6 +112,7 @@ def grade_one_status(ex: Exercise, package: str, quiet: bool = False, strict: bo
         if refused:
             print(f"❌ {ex.check.__name__}: not graded -- " + "\n   ".join(refused))
             ok = False
+            status = "tampering" if any("tampering" in r for r in refused) else "refused"
         elif strict:
             ok, status = sealed_check(ex, package)
         else:

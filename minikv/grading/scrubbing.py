@@ -106,10 +106,13 @@ def check_zero_blocks(zero_blocks) -> str:
                "use an in-place operation (index_fill_, or indexed assignment): a copy costs as much memory as "
                "the whole pool, and other code holds the original tensors.")
         if ids and torch.equal(pool.k_cache, before_k) and torch.equal(pool.v_cache, before_v):
-            raise CheckFailed(f"zero_blocks(pool, {list(ids)}) changed nothing in the pool: your zeroing worked on "
-                              "a COPY (bug class: in-place op on a copy)",
-                              "indexing with a list or tensor (advanced indexing) returns a new tensor; an in-place "
-                              "operation on it never reaches the pool.  Operate on pool.k_cache itself.")
+            raise CheckFailed(f"zero_blocks(pool, {list(ids)}) changed nothing in the pool: the zeros went into a "
+                              "new tensor that was then dropped -- either an in-place op on a COPY (advanced indexing "
+                              "returns one) or an out-of-place op whose result was discarded (index_fill, "
+                              "masked_fill, without the trailing underscore, return a new tensor) (bug class: zeros "
+                              "written to a COPY / result discarded)",
+                              "which tensor did your zeros land in?  Print `x is pool.k_cache` for the tensor your "
+                              "operation returned or modified.")
         _diff_report(pool, before_k, before_v, list(ids), f"zero_blocks(pool, {list(ids)})")
     return "zeroes exactly the given blocks, in every layer, K and V, in place; [] is a no-op"
 
@@ -296,6 +299,25 @@ def _fake_seq(status: SequenceStatus, reason: str | None = None) -> Sequence:
     return seq
 
 
+def _placement_error(t: Transition, who: str, exc: Exception) -> CheckFailed:
+    """The diagnosis of an exception from ``scrub_action(t, seq)``: a refused row (ValueError or
+    KeyError) is a transition left undecided; anything else is a crash inside the decision."""
+    call = f"scrub_action({t.value!r}, <{who}>) raised {type(exc).__name__}: {exc}"
+    if isinstance(exc, (ValueError, KeyError)):
+        return CheckFailed(f"{call} -- but {t.value!r} is a transition of the lifecycle (bug class: a transition "
+                           "left undecided)", "every row of LIFECYCLE needs a decision, including 'adopt' (a "
+                           "same-step duplicate swapped for its twin at commit); only names that are not "
+                           "transitions raise ValueError.")
+    if who == "operator (None)":
+        return CheckFailed(f"{call} (bug class: crashed in the decision -- it assumes every transition has a "
+                           "request, but an operator's reset_prefix_cache passes seq=None)",
+                           "what does the engine pass as seq when no request caused the transition?")
+    return CheckFailed(f"{call} (bug class: crashed in the decision, not a refused transition: the code that "
+                       "decides failed on a value it was given)",
+                       "call your scrub_action by hand with this transition and this kind of request, and read "
+                       "the traceback.")
+
+
 @grader("decide by the lifecycle transition: which rows put old bytes within a NEW reader's reach, and which hand "
         "data to a reader who is meant to have it?")
 def check_scrub_placement(scrub_action) -> str:
@@ -305,10 +327,8 @@ def check_scrub_placement(scrub_action) -> str:
     for t in Transition:
         for who, seq in seqs.items():
             got, exc = call_safely(scrub_action, t, seq)
-            expect(exc is None, f"scrub_action({t.value!r}, <{who}>) raised {type(exc).__name__}: {exc} -- but "
-                   f"{t.value!r} is a transition of the lifecycle (bug class: a transition left undecided)",
-                   "every row of LIFECYCLE needs a decision, including 'adopt' (a same-step duplicate swapped "
-                   "for its twin at commit); only names that are not transitions raise ValueError.")
+            if exc is not None:
+                raise _placement_error(t, who, exc)
             expect(got in (ZERO, KEEP), f"scrub_action({t.value!r}, <{who}>) returned {got!r}; expected ZERO or KEEP")
             if t in (Transition.HIT, Transition.ADOPT, Transition.STORE, Transition.CACHE) and got == ZERO:
                 what = {"hit": "wipes every HIT", "adopt": "wipes every ADOPTED block",

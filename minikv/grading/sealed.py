@@ -137,6 +137,9 @@ def drop_root_powers() -> None:
 
 
 def _limits() -> None:
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL: it dies with its grader
     if os.geteuid() == 0:  # still root here: a second user was not possible (see isolation())
         drop_root_powers()
     for what, value in ((resource.RLIMIT_CPU, LIMITS["cpu_s"]), (resource.RLIMIT_AS, LIMITS["memory_bytes"]),
@@ -166,7 +169,7 @@ class ChildProxy:
 class SealedChild:
     """One sealed child holding ``package`` (the folder ``package_dir``) for one check."""
 
-    def __init__(self, package_dir: Path, package: str, call_timeout: float = 300.0):
+    def __init__(self, package_dir: Path, package: str, call_timeout: float = 120.0):
         self.package, self.call_timeout = package, call_timeout
         self.notes: list[str] = []
         self.timed_out = False

@@ -190,12 +190,15 @@ def grade(package: str = "exercises", ids: list[str] | None = None, quiet: bool 
 
 def summary_table(results: dict[str, bool]) -> str:
     by_id = {e.id: e for e in EXERCISES}
-    lines = [f"{'ex':<4}{'lesson':<8}{'implement':<22}{'what':<40}result", "-" * 80]
+    name_w = max(len(e.name) for e in EXERCISES) + 2  # the columns fit the longest name and title
+    what_w = max(len(e.title) for e in EXERCISES) + 2
+    rule = "-" * (12 + name_w + what_w + 7)
+    lines = [f"{'ex':<4}{'lesson':<8}{'implement':<{name_w}}{'what':<{what_w}}result", rule]
     for ex_id, ok in results.items():
         e = by_id[ex_id]
-        lines.append(f"{e.id:<4}{e.lesson:<8}{e.name:<22}{e.title:<40}{'✅ pass' if ok else '❌ FAIL'}")
+        lines.append(f"{e.id:<4}{e.lesson:<8}{e.name:<{name_w}}{e.title:<{what_w}}{'✅ pass' if ok else '❌ FAIL'}")
     n_ok = sum(results.values())
-    lines.append("-" * 80)
+    lines.append(rule)
     lines.append(f"{n_ok}/{len(results)} exercises pass" + ("" if n_ok == len(results) else
                  " -- scroll up for what failed and a hint for each"))
     return "\n".join(lines)

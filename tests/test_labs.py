@@ -6,6 +6,8 @@ Seeds are fixed here so a failure can be replayed; ``make grade`` draws fresh on
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 
 import exercises.lab1_prefix_oracle as ex1
@@ -78,9 +80,10 @@ def test_the_information_floor_and_the_mid_block_probe():
     character-by-character guess when it stops inside the block it tests or re-tests a candidate."""
     from minikv.grading import lab_server
     card = {"block_size": 2, "secret_len": 4, "alphabet": "0123456789", "prefix": "Vault PIN: "}
-    assert labs_oracle.information_floor(card) == 4 + 7 + 4  # 1, 2 and 1 unknown digits
-    card["block_size"] = 4  # prefix ends mid-block: 1 unknown, then 3
-    assert labs_oracle.information_floor(card) == 4 + 10
+    assert labs_oracle._blocks(card) == [1, 2, 1]  # unknown digits per block
+    assert labs_oracle.information_floor(card) == pytest.approx(4 * math.log2(10))
+    card["block_size"] = 4  # the prefix ends mid-block: 1 unknown, then 3
+    assert labs_oracle._blocks(card) == [1, 3]
     victim, seen = "Vault PIN: 4821. Keep it safe.", {}
     assert lab_server.BLOCK_SIZE == 2
     block_wise = ["Vault PIN: 3#", "Vault PIN: 4#", "Vault PIN: 480.", "Vault PIN: 482.", "Vault PIN: 4821#"]

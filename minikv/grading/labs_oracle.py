@@ -18,9 +18,10 @@ Scores are probes per recovered token, printed beside a baseline:
 
 A graded run (no ``seed``) attacks :data:`RUNS` fresh secrets, one server each, and must recover
 every one; the score is the **median** over them, so the same code scores the same from run to run
-(the reference: see :data:`SCORE_BANDS`).  A run that recovers a secret with fewer probes than its
-information needs (:func:`information_floor`: log2 of the candidates of each block, each probe
-answering one candidate) is refused as impossible without a side door.
+(the reference: see :data:`SCORE_BANDS`).  L1 refuses, as impossible without a side door, a run
+that recovers a secret with fewer probes than the blocks it spans, and a median below the
+secrets' information (:func:`information_floor`: log2 of each block's candidates, one probe
+answering one candidate).
 """
 from __future__ import annotations
 
@@ -42,17 +43,24 @@ RUNS = 5
 SCORE_BANDS = {"L1": (0.8, 1.25), "L2": (1.0, 1.0)}
 
 
-def information_floor(card: dict) -> int:
-    """The fewest probes that can single out the secret: ``ceil(log2(a**u))`` for each block with
-    ``u`` unknown characters, a probe testing one candidate of a block."""
-    bs, n, a, start = card["block_size"], card["secret_len"], len(card["alphabet"]), len(card["prefix"])
-    floor, done = 0, 0
+def _blocks(card: dict) -> list[int]:
+    """The number of unknown characters in each block the secret touches."""
+    bs, n, start = card["block_size"], card["secret_len"], len(card["prefix"])
+    out, done = [], 0
     while done < n:
         pos = start + done
         u = min((pos // bs + 1) * bs - pos, n - done)
-        floor += math.ceil(u * math.log2(a))
+        out.append(u)
         done += u
-    return floor
+    return out
+
+
+def information_floor(card: dict) -> float:
+    """The probes the secret's information needs on average: ``log2(a**u)`` for each block with
+    ``u`` unknown characters, since one probe answers for one candidate of one block.  A lucky run
+    can beat it; the median of :data:`RUNS` fresh secrets does so only by a fluke (the reference's
+    exhaustive search needs (a**u + 1) / 2 per block on average, far above it)."""
+    return sum(u * math.log2(len(card["alphabet"])) for u in _blocks(card))
 
 
 def _seeds(seed: int | None) -> list[int | None]:
@@ -126,16 +134,23 @@ def check_oracle_attack(extract_secret, *, seed: int | None = None, timeout: flo
         guess, card, key, took = run_lab(extract_secret, "count", timeout, s)
         _verdict(guess, card, key, "L1")
         expected, worst = exhaustive_probes(card)
-        n, probes, floor = card["secret_len"], key["requests"], information_floor(card)
-        expect(probes >= floor, f"recovered the secret with {probes} probe(s), fewer than the {floor} its "
-               f"information needs (log2 of each block's candidates): impossible through the oracle, so the "
-               "answer came through a side door (bug class: side door -- not an attack on the cache)",
-               "attack through OracleClient alone: every answer must come from cached_tokens.")
+        n, probes = card["secret_len"], key["requests"]
+        expect(probes >= len(_blocks(card)), f"recovered the secret with {probes} probe(s), fewer than the "
+               f"{len(_blocks(card))} blocks it spans (each needs at least one probe that hits): impossible through "
+               "the oracle, so the answer came through a side door (bug class: side door -- not an attack on the "
+               "cache)", "attack through OracleClient alone: every answer must come from cached_tokens.")
         expect(probes <= worst, f"recovered the secret, but with {probes} probes: an exhaustive search needs "
                f"at most {worst}", "never send the same probe twice, and stop at the first hit")
         scores.append(expected / probes)
         per_token.append(probes / n)
         took_all += took
+    floor = information_floor(card)
+    expect(len(per_token) < RUNS or statistics.median(per_token) * n >= floor,
+           f"recovered every secret with a median of {statistics.median(per_token) * n:.0f} probes, below the "
+           f"{floor:.1f} the secrets' information needs (log2 of each block's candidates): no search through "
+           "the oracle does that over several secrets, so the answers came through a side door (bug class: side "
+           "door -- not an attack on the cache)", "attack through OracleClient alone: every answer must come "
+           "from cached_tokens.")
     runs = f"median of {len(scores)} secrets, " if len(scores) > 1 else ""
     return (f"recovered {n} characters with {statistics.median(per_token):.1f} probes per token ({runs}exhaustive "
             f"search: {expected / n:.1f} expected, {worst / n:.1f} worst; score {statistics.median(scores):.2f}x), "

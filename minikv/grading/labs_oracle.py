@@ -38,9 +38,11 @@ TIMING_REFERENCE_PPT = 611 / 4
 TIMING_BUDGET = 4.0
 #: secrets per graded run (each its own server)
 RUNS = 5
-#: the median score of the reference solutions over RUNS fresh secrets, measured over repeated
-#: grades on the 2-core course machine: the band a re-grade of unchanged code stays in
-SCORE_BANDS = {"L1": (0.8, 1.25), "L2": (1.0, 1.0)}
+#: the median score of the reference solutions over RUNS fresh secrets, measured on the shared 2-core
+#: course machine: L1 over 4 graded runs gave 1.23x, 1.43x, 1.46x and 2.67x (an exhaustive search's
+#: cost is spread widely, and 5 secrets only narrow it so far); L2's cost does not depend on the
+#: secret (1.00x every time).  The band a re-grade of unchanged reference code stays in:
+SCORE_BANDS = {"L1": (1.2, 2.7), "L2": (1.0, 1.0)}
 
 
 def _blocks(card: dict) -> list[int]:

@@ -2,7 +2,8 @@
 #   make course   open the course in JupyterLab on 127.0.0.1
 #   make test     the whole test suite: pytest over tests/, nbval over course/*.ipynb
 #   make test-thorough  the engine property tests at 10,000 examples (~15 min; not in make test)
-#   make grade    grade your exercises/ (DIR=folder: grade every student's subfolder into a gradebook)
+#   make grade    grade your exercises/ (DIR=folder: grade every student's subfolder into a gradebook,
+#                 JOBS=N at once, sealed: learner code never runs in a grader's process)
 #   make hint EX=2a   the next hint for one exercise (levels 1, 2, 3 on repeat calls)
 #   make bench    run the benchmarks
 #   make gpu-check  the CUDA tests + bench --device cuda (bf16, fp32) on a random SmolLM2-shaped
@@ -84,11 +85,13 @@ else
 endif
 
 # Lessons 07/08 run exercises/ (the learner's) unless MINIKV_EXERCISES=solutions (nbval above).
-# DIR=submissions/: one subprocess per student subfolder, TIMEOUT seconds each, gradebook.csv/.json.
-TIMEOUT ?= 300
+# DIR=submissions/: one grader process per student subfolder (its code runs sealed, one child per
+# check), JOBS at once (default: the cores), TIMEOUT seconds each, gradebook.csv/.json.
+TIMEOUT ?= 600
+JOBS ?=
 grade: model
 ifdef DIR
-	$(PY) -m minikv.grading.gradebook $(DIR) --timeout $(TIMEOUT)
+	$(PY) -m minikv.grading.gradebook $(DIR) --timeout $(TIMEOUT) $(if $(JOBS),--jobs $(JOBS))
 else
 	$(PY) -m exercises.grade
 endif

@@ -3,7 +3,7 @@
 # then run `make grade` (or the check cell in the lesson).  The imports below are the ones the
 # reference solution uses.  Course maintainers: edit solutions/ex1_chained_hash.py and regenerate; never
 # edit this file by hand.
-# minikv-stub: 3b9f6d6b479b8543
+# minikv-stub: 0f3396d0781c8024
 """Exercise 1 (lesson 07): a chained, domain-separated block hash.
 
 The engine names every full KV block by a *cache key*.  A hit on that key makes a request
@@ -64,7 +64,7 @@ def chained_block_hash(parent: bytes | None, tokens: tuple[int, ...], extra: tup
 
     Contract:
 
-    * returns ``bytes``, at least 16 long (32 for SHA-256); same input -> same output;
+    * returns ``bytes``: the full 32-byte SHA-256 digest, never truncated; same input -> same output;
     * **chained**: the same tokens after a different parent give a different key (a key names
       the whole prefix, not 16 tokens: deeper layers' K/V depend on everything before);
     * covers every field: changing ``parent``, ``tokens``, ``extra`` or ``tenant_key`` changes
@@ -74,7 +74,8 @@ def chained_block_hash(parent: bytes | None, tokens: tuple[int, ...], extra: tup
 
     * refuses what it cannot key safely: ``parent`` that is neither ``None`` nor ``bytes``, a
       token that is not an ``int`` (``bool`` included) -> ``TypeError`` naming the bad value;
-    * never ``hash()`` (CVE-2025-25183) and never a truncated digest (birthday collisions).
+    * never ``hash()`` (CVE-2025-25183), and never a shortened digest: 16 bytes halve the work of a
+      birthday search for two colliding blocks, so the grader wants all 32.
 
     Stuck?  ``make hint EX=1b``.
     """

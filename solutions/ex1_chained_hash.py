@@ -76,7 +76,7 @@ def chained_block_hash(parent: bytes | None, tokens: tuple[int, ...], extra: tup
 
     Contract:
 
-    * returns ``bytes``, at least 16 long (32 for SHA-256); same input -> same output;
+    * returns ``bytes``: the full 32-byte SHA-256 digest, never truncated; same input -> same output;
     * **chained**: the same tokens after a different parent give a different key (a key names
       the whole prefix, not 16 tokens: deeper layers' K/V depend on everything before);
     * covers every field: changing ``parent``, ``tokens``, ``extra`` or ``tenant_key`` changes
@@ -86,7 +86,8 @@ def chained_block_hash(parent: bytes | None, tokens: tuple[int, ...], extra: tup
 
     * refuses what it cannot key safely: ``parent`` that is neither ``None`` nor ``bytes``, a
       token that is not an ``int`` (``bool`` included) -> ``TypeError`` naming the bad value;
-    * never ``hash()`` (CVE-2025-25183) and never a truncated digest (birthday collisions).
+    * never ``hash()`` (CVE-2025-25183), and never a shortened digest: 16 bytes halve the work of a
+      birthday search for two colliding blocks, so the grader wants all 32.
 
     Stuck?  ``make hint EX=1b``.
     """

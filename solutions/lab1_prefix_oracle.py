@@ -7,15 +7,11 @@ size.  Your only instrument is :class:`~minikv.audit.oracle_client.OracleClient`
 ``oracle.cached_tokens(text)`` sends ``text`` and returns how many leading tokens the server
 served from its cache.  The lab model's tokenizer is byte-level: one character, one token.
 
-Three facts decide your probes (lesson 04):
-
-* the cache answers per **whole block**: a block of ``block_size`` tokens is a hit only if every
-  one of its tokens matches, so a block holding ``u`` unknown characters costs up to
-  ``len(alphabet) ** u`` probes (the secret need not start on a block boundary);
-* the server always computes the **last** prompt token, so a block can only be reported cached
-  when your probe goes on past it;
-* every probe you send is cached too (the cache is shared): sending one text twice answers
-  "hit" the second time, from *your own* entry.
+Contract: return the secret, using only what ``OracleClient`` answers; the grader counts your
+requests and compares them with an exhaustive block-by-block search (median over 5 fresh
+secrets).  Fewer requests than the secret's information needs (log2 of each block's candidates)
+is refused as a side door; more than the exhaustive search's worst case fails.  Which probes the
+cache can answer at all is what lesson 04 shows you -- work that out before you write a loop.
 
 The grader runs your function in a fresh process against a server in another process, with a
 secret drawn at grade time; it counts your requests on the server and compares them with an

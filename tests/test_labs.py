@@ -6,6 +6,8 @@ Seeds are fixed here so a failure can be replayed; ``make grade`` draws fresh on
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 
 import exercises.lab1_prefix_oracle as ex1
@@ -45,6 +47,7 @@ def test_l1_stub_fails_as_not_implemented(capsys):
     ("no_filler", mutants.oracle_no_filler, "last prompt token"),
     ("double_check", mutants.oracle_double_check, "self-priming"),
     ("hard_coded", mutants.oracle_hard_coded, "the secret was"),
+    ("char_by_char", mutants.oracle_char_by_char, "character by character"),
 ])
 def test_l1_rejects_mutants_with_the_right_diagnosis(name, fn, why, capsys):
     ok, out = run(labs_oracle.check_oracle_attack, fn, capsys, seed=11)
@@ -58,7 +61,7 @@ def test_timing_solution_cost_does_not_depend_on_the_secret(capsys):
     for seed in (3, 4):
         ok, out = run(labs_oracle.check_timing_attack, sol2.extract_secret_by_timing, capsys, seed=seed)
         assert ok, out
-        assert f"with {round(labs_oracle.TIMING_REFERENCE_PPT * 4)} probes" in out and "0 answers self-primed" in out
+        assert f"with {labs_oracle.TIMING_REFERENCE_PPT:.1f} probes per token" in out and "0 answers self-primed" in out
 
 
 @pytest.mark.parametrize("name,fn,why", [
@@ -70,6 +73,25 @@ def test_l2_rejects_mutants_with_the_right_diagnosis(name, fn, why, capsys):
     ok, out = run(labs_oracle.check_timing_attack, fn, capsys, seed=3)
     assert not ok, out
     assert why in out, out
+
+
+def test_the_information_floor_and_the_mid_block_probe():
+    """L1's floor is log2 of each block's candidates (one probe answers one candidate); a probe is a
+    character-by-character guess when it stops inside the block it tests or re-tests a candidate."""
+    from minikv.grading import lab_server
+    card = {"block_size": 2, "secret_len": 4, "alphabet": "0123456789", "prefix": "Vault PIN: "}
+    assert labs_oracle._blocks(card) == [1, 2, 1]  # unknown digits per block
+    assert labs_oracle.information_floor(card) == pytest.approx(4 * math.log2(10))
+    card["block_size"] = 4  # the prefix ends mid-block: 1 unknown, then 3
+    assert labs_oracle._blocks(card) == [1, 3]
+    victim, seen = "Vault PIN: 4821. Keep it safe.", {}
+    assert lab_server.BLOCK_SIZE == 2
+    block_wise = ["Vault PIN: 3#", "Vault PIN: 4#", "Vault PIN: 480.", "Vault PIN: 482.", "Vault PIN: 4821#"]
+    assert [lab_server._mid_block(p, victim, seen) for p in block_wise] == [False] * 5
+    assert lab_server._mid_block("Vault PIN: 4", victim, seen) is False  # ends on a boundary: counted apart
+    assert lab_server._mid_block("Vault PIN: 48", victim, seen) is True  # stops inside block [12, 14)
+    assert lab_server._mid_block("Vault PIN: 47", victim, seen) is True  # re-tests candidate '4' of [10, 12)
+    assert len(labs_oracle._seeds(None)) == labs_oracle.RUNS >= 5 and labs_oracle._seeds(7) == [7]
 
 
 def test_every_lab_check_has_at_least_three_mutants():

@@ -52,7 +52,10 @@ def _indent(text: str) -> str:
 
 
 def _where(exc: BaseException) -> str:
-    """'file:line in func' of the deepest frame of the learner's code, if any."""
+    """'file:line in func' of the deepest frame of the learner's code, if any (a sealed child's
+    exception carries it as data: its frames were in another process)."""
+    if getattr(exc, "sealed_where", ""):
+        return exc.sealed_where
     frames = traceback.extract_tb(exc.__traceback__)
     for fr in reversed(frames):
         if "/exercises/" in fr.filename or "/solutions/" in fr.filename or "mutants" in fr.filename:

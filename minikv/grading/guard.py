@@ -6,8 +6,9 @@ probing detector of ``minikv.audit.detector``.  A file that imports them would b
 engine's work, not the learner's, so :func:`forbidden_imports` reads the file's syntax tree (it
 never runs it) and :func:`check_file` turns every hit into a message that says why.
 
-Graded submissions (``make grade DIR=...``, ``strict``) get a stricter read, because their code
-runs in the same process as the graders: besides the graders themselves (``minikv.grading``,
+Graded submissions (``make grade DIR=...``, ``strict``) get a stricter read -- a friendly first
+message, not the security boundary: their code runs sealed in a child process
+(:mod:`.sealed`), where none of this could reach the graders anyway.  Besides the graders themselves (``minikv.grading``,
 except the given :mod:`.harness`), they may not import the process/introspection modules
 (:data:`STRICT_MODULES`), use the escape hatches of :data:`STRICT_NAMES` (``open``, ``exec``,
 ``setattr`` ... and dunder attributes such as ``__globals__``), or assign to an attribute of an
@@ -31,7 +32,7 @@ FORBIDDEN: dict[str, str] = {
     "minikv.audit.detector": "minikv.audit.detector is the reference probing detector",
 }
 #: also forbidden in graded submissions: code that could reach into the graders
-GRADER_MODULES: dict[str, str] = {"minikv.grading": "minikv.grading holds the graders themselves"}
+GRADER_MODULES: dict[str, str] = {"minikv.grading": "tampering: minikv.grading holds the graders themselves"}
 #: strict mode: modules that reach the process, the interpreter or other code
 STRICT_MODULES = ("os", "sys", "builtins", "importlib", "ctypes", "gc", "inspect", "subprocess", "socket",
                   "shutil", "pathlib", "io", "pickle", "marshal", "types", "threading", "multiprocessing",
@@ -113,21 +114,29 @@ def strict_problems(source: str, filename: str = "<submission>") -> list[tuple[i
             while isinstance(base, ast.Attribute):
                 base = base.value
             if isinstance(t, ast.Attribute) and isinstance(base, ast.Name) and base.id in modules:
-                found.append((node.lineno, f"assigns to {ast.unparse(t)} (patches an imported module)"))
+                found.append((node.lineno, f"assigns to {ast.unparse(t)} (tampering: patches an imported module)"))
     return sorted(set(found))
 
 
-def check_file(path: Path, grading_submission: bool = False) -> list[str]:
+def check_file(path: Path, grading_submission: bool = False, stub: str | None = None) -> list[str]:
     """Messages for every forbidden import in ``path`` (empty: the file may be graded).  With
-    ``grading_submission``, also everything :func:`strict_problems` finds."""
+    ``grading_submission``, also everything :func:`strict_problems` finds -- unless ``stub`` (the
+    exercise's own generated stub) already does such things itself: the capstone's stub imports
+    ``os`` and ``subprocess`` because an audit runs tools, so its file is exempt from the strict
+    read (it runs sealed like every other; only the forbidden imports still apply)."""
     rules = {**FORBIDDEN, **(GRADER_MODULES if grading_submission else {})}
     try:
         source = Path(path).read_text(encoding="utf-8")
         hits = forbidden_imports(source, str(path), rules)
         strict = strict_problems(source, str(path)) if grading_submission else []
+        exempt = bool(stub and grading_submission and strict_problems(stub))
     except (SyntaxError, ValueError):
         return []  # the import itself will fail and be reported with the syntax error
-    return [f"{Path(path).name}:{line} {what}: graded submissions run beside the graders, so they may not "
-            f"do this (none of the exercises needs it)" for line, what in strict] + [f"{Path(path).name}:{line} imports {module}: {why}.  The grader refuses a file that imports it: "
+    except OSError as exc:
+        return [f"{Path(path).name}: cannot be read ({exc.strerror})"]
+    strict = [] if exempt else strict
+    return [f"{Path(path).name}:{line} {what}: the exercises do not need this, so the grader refuses it "
+            f"before running anything (your code runs sealed, apart from the graders; this check only "
+            f"says so early)" for line, what in strict] + [f"{Path(path).name}:{line} imports {module}: {why}.  The grader refuses a file that imports it: "
             f"the grade must measure your code, not the engine's own answer.  Write it yourself."
             for line, module, why in hits]

@@ -211,8 +211,9 @@ def check_block_hash_properties(hasher, label: str) -> None:
     base = (None, (1, 2, 3, 4), (), None)
     h0 = hasher(*base)
     expect(isinstance(h0, bytes), f"{label} returned {type(h0).__name__}, expected bytes")
-    expect(len(h0) >= 16, f"{label} returned {len(h0)} bytes; at least 16 are needed (bug class: truncated key)",
-           "never truncate a cache key: with 8 bytes a birthday search finds collisions; use the full digest.")
+    expect(len(h0) == 32, f"{label} returned {len(h0)} bytes; the contract is the full 32-byte SHA-256 digest, never "
+           "truncated (bug class: truncated key)", "how many bytes does a birthday search need to try before two "
+           "keys of n bytes collide?  Return the whole digest.")
     expect(hasher(*base) == h0, f"{label} gave two different keys for the same block",
            "keys must be deterministic, or a prefix never hits its own cache.")
     variants = {

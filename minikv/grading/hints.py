@@ -15,6 +15,16 @@ from pathlib import Path
 
 STATE = Path(__file__).resolve().parents[2] / "exercises" / ".hints.json"
 
+#: exercise id -> phrases levels 1 and 2 must never contain: the rule itself, in the words the
+#: old hints and the solutions' comments used (tests/test_grading_tools.py checks every hint)
+FORBIDDEN_PHRASES: dict[str, list[str]] = {
+    "2a": ["hmac.digest", "as the KEY", "engine secret as the", "HMAC-SHA256 with", "sha256(secret", "is not HMAC"],
+    "3b": ["decide by the transition", "never by why", "must be kept", "on the way into the free list",
+           "(free, evict)", "Transition.FREE", "zero either"],
+    "L1": ["for each filling", "one more character", "never send one probe twice", ">= the block's end",
+           "itertools.product", "'#'"],
+}
+
 #: exercise id -> [level 1, level 2, level 3]; only level 3 may contain code
 HINTS: dict[str, list[str]] = {
     "1a": ["Ask of your encoding: could a decoder split the bytes back into the original fields? "
@@ -36,14 +46,14 @@ HINTS: dict[str, list[str]] = {
            "    message = encode_fields(<label>, parent, tuple(tokens), tuple(extra), tenant_key)\n"
            "    return hashlib.sha256(message).digest()\n"
            "Which label?  The module defines one."],
-    "2a": ["Who may be able to compute a tenant's key?  Only the server.  A key computed from the "
-           "tenant's name alone can be computed by anyone who knows the name.",
-           "A keyed pseudo-random function: HMAC-SHA256 with the engine secret as the KEY and the "
-           "tenant, typed, as the MESSAGE.  None, \"\" and \"None\" must be three different tenants; "
-           "refuse non-bytes and short secrets first.  sha256(secret + name) is not HMAC.",
+    "2a": ["Who must be able to compute a tenant's key, and who must not?  Suppose a client knows every "
+           "tenant's name: which input of your function does it lack?",
+           "Lesson 07's cell on tenant keys builds a keyed hash and shows why gluing a secret onto a "
+           "message before hashing is not enough.  Which construction does that cell use -- what is its "
+           "key, what is its message?  And how does your 1a encoding keep None, \"\" and \"None\" apart?",
+           "    <refuse a secret that is not bytes (TypeError), or too short (ValueError)>\n"
            "    message = encode_fields(TENANT_LABEL, tenant)\n"
-           "    return hmac.digest(engine_secret, message, \"sha256\")\n"
-           "plus the TypeError/ValueError checks the contract lists, before the HMAC."],
+           "    return ...   # the construction the contract names, keyed by engine_secret"],
     "2b": ["Where must the tenant key enter the block key: the first block only, or every block?  "
            "Think of a prompt that starts with a public system prompt nobody keys.",
            "An HMAC keyed with tenant_key (or, for shared blocks, a key derived from the secret in "
@@ -67,17 +77,16 @@ HINTS: dict[str, list[str]] = {
            "    idx = torch.as_tensor(ids, dtype=torch.long, device=pool.k_cache.device)\n"
            "    pool.k_cache.index_fill_(1, idx, 0)   # and the same for v_cache\n"
            "(what must an empty list do?)"],
-    "3b": ["List every way a block changes hands (the LIFECYCLE table).  On which of them can a block "
-           "carry someone else's bytes to a new reader -- and on which would zeroing destroy data "
-           "someone is about to reuse?",
-           "Preemption, abort, quota eviction and reset_prefix_cache are not new transitions: they "
-           "release or evict blocks through the same free/cache/evict rows.  So decide by the "
-           "transition, never by why it happened (a finished request is only one of the ways).  "
-           "Hits, adoptions, stores and cache releases must be kept; zero either on the way into the free "
-           "list (free, evict) or on the way out of it (allocate).",
-           "    if transition in (Transition.FREE, Transition.EVICT): return ZERO\n"
-           "    if transition is Transition.ALLOCATE: return ...   # already zero, or zero again?\n"
-           "    ...every other row: KEEP; unknown transitions: raise ValueError"],
+    "3b": ["Print the LIFECYCLE table (lesson 08 has a cell for it).  For each row, ask: after this "
+           "transition, who reads this block next -- and did they write its bytes?",
+           "Lesson 08's cells on preemption and abort trace the rows their blocks leave through.  Do "
+           "those requests leave through rows of their own, or through rows every request uses?  What "
+           "does that tell you about which of your two arguments a decision can rely on?  Then, for each "
+           "row: would zeroing there destroy something a reader is about to reuse?",
+           "    transition = Transition(transition)   # a name that is no transition: ValueError\n"
+           "    if transition in (...):               # the rows that hand old bytes to a new reader\n"
+           "        return ZERO\n"
+           "    return KEEP"],
     "4a": ["An audit that can never fail proves nothing.  What does '0 cross-tenant hits' mean when "
            "the audit never saw ANY hit?",
            "Three verdicts, tested in order: any cross-tenant cached token is a failure (a leak is a "
@@ -107,15 +116,16 @@ HINTS: dict[str, list[str]] = {
            "one half, divide by the number of pairs.",
            "    h, m = np.asarray(hit)[:, None], np.asarray(miss)[None, :]\n"
            "    ((h < m).sum() + 0.5 * (h == m).sum()) / ..."],
-    "L1": ["The cache answers per whole block.  Which block holds the next unknown character, how many "
-           "unknown characters does it hold, and which of its characters do you already know?",
-           "For each filling of that block's unknowns, send prefix + recovered + filling + the block's known "
-           "rest + one more character (the last prompt token is never served from cache).  A hit means "
-           "cached_tokens >= the block's end.  Never send one probe twice: the second answer is your own.",
+    "L1": ["What does the cache keep a key for: one character, or a whole block?  So which of your "
+           "probes can it answer at all?  Print the card: where inside its block does the prefix end?",
+           "Lesson 04's cell that probes the demo server shows when cached_tokens moves.  Why is the "
+           "last token of a prompt never served from cache, and what must a probe therefore hold after "
+           "the part it tests?  And what does the server answer the second time you send one text?",
            "    start = len(prefix) + len(found); end = (start // bs + 1) * bs\n"
-           "    u = min(end - start, n - len(found)); tail = suffix[:end - start - u]\n"
+           "    u = min(end - start, n - len(found))     # unknown characters in this block\n"
            "    for g in itertools.product(alphabet, repeat=u):\n"
-           "        if oracle.cached_tokens(prefix + found + ''.join(g) + tail + '#') >= end: ..."],
+           "        probe = ...                           # what must follow the candidate?\n"
+           "        if oracle.cached_tokens(probe) >= end: ..."],
     "L2": ["Send each candidate twice in a row and compare: why is the second answer always fast?",
            "Your probe stored its block as YOUR entry.  Only re-probe a candidate after you stored "
            "quota_blocks newer blocks (one long fresh prompt of quota_blocks + 1 blocks flushes them).  "

@@ -36,6 +36,7 @@ import warnings
 from dataclasses import asdict, dataclass
 
 import numpy as np
+from .sealed import make_undumpable
 
 ATTACKER_KEY = "sk-lab-attacker"
 PREFIX, SUFFIX = "Vault PIN: ", ". Keep it safe."
@@ -69,6 +70,29 @@ class VirtualClock:
         return round(max(t, 0.1), 4)
 
 
+def _mid_block(text: str, victim: str, seen: dict) -> bool:
+    """Whether a probe looks like a character-by-character guess, not a block test.
+
+    The block a probe tests is the one holding its first difference from the victim (a trailing
+    filler that starts a new block does not count).  A block test covers that block whole and goes
+    on past it, and tests each candidate block once; a character-by-character guesser stops inside
+    the block, or re-tests one candidate block at the same length with another last character.
+    ``seen`` maps each tested candidate (the text up to its block's end) to the first probe that
+    tested it."""
+    d = 0
+    while d < min(len(text), len(victim)) and text[d] == victim[d]:
+        d += 1
+    n = len(text)
+    t = n - 2 if d >= n - 1 and (n - 1) % BLOCK_SIZE == 0 else min(d, n - 1)
+    end = (t // BLOCK_SIZE + 1) * BLOCK_SIZE
+    if n % BLOCK_SIZE == 0:
+        return False  # ends on a block boundary: counted as such (ends_on_block)
+    if n <= end:
+        return True
+    first = seen.setdefault(text[:end], text)
+    return first != text and len(first) == n
+
+
 def draw_secret(rng: np.random.Generator, alphabet: str = ALPHABET, n: int = SECRET_LEN) -> str:
     return "".join(alphabet[i] for i in rng.integers(0, len(alphabet), n))
 
@@ -92,7 +116,8 @@ def build_app(mode: str, clock: str, seed: int):
     app = create_app(llm, {ATTACKER_KEY: "mallory"}, model_name="tiny", report_cached_tokens=True, limits=limits)
     vclock = VirtualClock(seed=seed + 1)
     victim = PREFIX + secret + SUFFIX
-    state = {"requests": 0, "self_primed": 0, "max_victim_cached": 0, "ends_on_block": 0}
+    tested: dict = {}  # candidate block -> the first probe that tested it
+    state = {"requests": 0, "self_primed": 0, "max_victim_cached": 0, "ends_on_block": 0, "mid_block": 0}
 
     def victim_cached(text: str) -> int:
         """What the victim's entries alone can give ``text`` (byte tokens: one per character)."""
@@ -124,6 +149,7 @@ def build_app(mode: str, clock: str, seed: int):
             # a hit beyond what the victim's blocks explain came from the attacker's own entries
             state["self_primed"] += cached > victim_cached(text)
             state["ends_on_block"] += len(text) % BLOCK_SIZE == 0  # its last block can never be a hit
+            state["mid_block"] += _mid_block(text, victim, tested)
             state["max_victim_cached"] = max(state["max_victim_cached"], min(cached, victim_cached(text)))
         if mode == "ttft" and response.status_code == 200:
             del u["prompt_tokens_details"]
@@ -141,7 +167,7 @@ def build_app(mode: str, clock: str, seed: int):
     return app, card, (lambda: {"secret": secret, "requests": state["requests"], "known_cached": known,
                                 "self_primed": state["self_primed"],
                                 "max_victim_cached": state["max_victim_cached"],
-                                "ends_on_block": state["ends_on_block"]})
+                                "ends_on_block": state["ends_on_block"], "mid_block": state["mid_block"]})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clock", choices=("virtual", "real"), default="virtual")
     ap.add_argument("--seed", type=int, default=None, help="fixed secret (lessons); default: fresh from os.urandom")
     args = ap.parse_args(argv)
+    make_undumpable()  # before the secret exists: no other process of this user can read our memory
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(8), "big")
     from ..serve import BackgroundServer
 

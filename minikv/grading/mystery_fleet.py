@@ -48,6 +48,7 @@ from pathlib import Path
 
 import numpy as np
 from fastapi import Request  # at module level: FastAPI resolves the routes' annotations here
+from .sealed import make_undumpable
 
 KINDS = ("shared_cache", "tenant_key_dropped", "first_block_only", "weak_hash")
 API_KEYS = {"sk-fleet-alice": "alice", "sk-fleet-bob": "bob"}
@@ -140,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=None, help="fixed fleet (lessons); default: fresh from os.urandom")
     ap.add_argument("--nodes", type=int, default=5)
     args = ap.parse_args(argv)
+    make_undumpable()  # before the secret exists: no other process of this user can read our memory
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(8), "big")
     from ..serve import BackgroundServer
 

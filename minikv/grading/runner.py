@@ -95,20 +95,68 @@ def module_file(package: str, module: str) -> Path | None:
 
 def grade_one(ex: Exercise, package: str, quiet: bool = False, strict: bool = False) -> tuple[bool, str]:
     """Run one grader on ``package``'s implementation; return (passed, printed message).
-    ``strict`` (graded submissions): the gate also refuses imports of the graders."""
+    ``strict`` (graded submissions): the gate also refuses imports of the graders, and the
+    learner's code runs sealed in a child process (:mod:`.sealed`), never in this one."""
+    ok, text, _ = grade_one_status(ex, package, quiet, strict)
+    return ok, text
+
+
+def grade_one_status(ex: Exercise, package: str, quiet: bool = False, strict: bool = False) -> tuple[bool, str, str]:
+    """:func:`grade_one` plus a status: passed, failed, refused (by the gate), timeout, tampering."""
     buf = io.StringIO()
-    path = module_file(package, ex.module)
-    refused = guard.check_file(path, grading_submission=strict) if path is not None else []
+    path = package_dir(package) / f"{ex.module}.py" if strict else module_file(package, ex.module)
+    stub = stub_source(ex.module) if strict else None
+    refused = guard.check_file(path, grading_submission=strict, stub=stub) if path is not None else []
+    status = "refused"
     with redirect_stdout(buf):
         if refused:
             print(f"❌ {ex.check.__name__}: not graded -- " + "\n   ".join(refused))
             ok = False
+            status = "tampering" if any("tampering" in r for r in refused) else "refused"
+        elif strict:
+            ok, status = sealed_check(ex, package)
         else:
             ok = _run_check(ex, package)
+            status = "passed" if ok else "failed"
     text = buf.getvalue()
     if not quiet:
         print(text, end="")
-    return ok, text
+    return ok, text, status
+
+
+def package_dir(package: str) -> Path:
+    """The folder of a top-level package, found without importing (running) it."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(f"no package {package!r} on the path")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def stub_source(module: str) -> str | None:
+    """The generated stub of ``module`` (what the gate lets a submission import: its own stub's imports)."""
+    from .make_exercises import generate
+
+    return generate().get(f"{module}.py")
+
+
+def sealed_check(ex: Exercise, package: str) -> tuple[bool, str]:
+    """Run ``ex``'s grader with the learner's code in a sealed child; (passed, status)."""
+    from .sealed import SealedChild
+
+    child = SealedChild(package_dir(package), package)
+    try:
+        target = child.function(ex.module, ex.name)
+        kwargs = {k: child.function(ex.module, k) for k in ex.extra}
+        ok = ex.check(target, **kwargs)
+    finally:
+        notes = child.close()
+    if notes:
+        print(f"❌ {ex.check.__name__}: tampering detected, scored 0 -- the submission's process "
+              + "; ".join(dict.fromkeys(notes)))
+        return False, "tampering"
+    if child.timed_out:
+        return False, "timeout"
+    return ok, "passed" if ok else "failed"
 
 
 def _run_check(ex: Exercise, package: str) -> bool:
@@ -123,14 +171,17 @@ def _run_check(ex: Exercise, package: str) -> bool:
 
 
 def grade(package: str = "exercises", ids: list[str] | None = None, quiet: bool = False,
-          messages: dict[str, str] | None = None, strict: bool = False) -> dict[str, bool]:
+          messages: dict[str, str] | None = None, strict: bool = False,
+          statuses: dict[str, str] | None = None) -> dict[str, bool]:
     """Grade ``package``; returns ``{exercise id: passed}`` and (unless quiet) prints a table.
-    ``messages``, if given, receives each grader's printed verdict."""
+    ``messages``, if given, receives each grader's printed verdict; ``statuses`` each status."""
     results: dict[str, bool] = {}
     for ex in select(ids):
-        results[ex.id], text = grade_one(ex, package, quiet, strict)
+        results[ex.id], text, status = grade_one_status(ex, package, quiet, strict)
         if messages is not None:
             messages[ex.id] = text.strip()
+        if statuses is not None:
+            statuses[ex.id] = status
     if not quiet:
         print()
         print(summary_table(results))
@@ -139,12 +190,15 @@ def grade(package: str = "exercises", ids: list[str] | None = None, quiet: bool 
 
 def summary_table(results: dict[str, bool]) -> str:
     by_id = {e.id: e for e in EXERCISES}
-    lines = [f"{'ex':<4}{'lesson':<8}{'implement':<22}{'what':<40}result", "-" * 80]
+    name_w = max(len(e.name) for e in EXERCISES) + 2  # the columns fit the longest name and title
+    what_w = max(len(e.title) for e in EXERCISES) + 2
+    rule = "-" * (12 + name_w + what_w + 7)
+    lines = [f"{'ex':<4}{'lesson':<8}{'implement':<{name_w}}{'what':<{what_w}}result", rule]
     for ex_id, ok in results.items():
         e = by_id[ex_id]
-        lines.append(f"{e.id:<4}{e.lesson:<8}{e.name:<22}{e.title:<40}{'✅ pass' if ok else '❌ FAIL'}")
+        lines.append(f"{e.id:<4}{e.lesson:<8}{e.name:<{name_w}}{e.title:<{what_w}}{'✅ pass' if ok else '❌ FAIL'}")
     n_ok = sum(results.values())
-    lines.append("-" * 80)
+    lines.append(rule)
     lines.append(f"{n_ok}/{len(results)} exercises pass" + ("" if n_ok == len(results) else
                  " -- scroll up for what failed and a hint for each"))
     return "\n".join(lines)
@@ -166,32 +220,58 @@ def fingerprint() -> dict[str, int]:
 
 
 def main(package: str = "exercises", argv: list[str] | None = None, json_path: str | None = None,
-         strict: bool = False) -> int:
+         strict: bool = False, sign_key: bytes | None = None) -> int:
     """Entry point of ``python -m <package>.grade [ids...]``: 0 when all pass, 1 otherwise.
-    ``strict`` (graded submissions): the stricter gate, and a check afterwards that the learner's
-    code replaced no function of the graders or the engine (else every result is a fail)."""
+    ``strict`` (graded submissions): the stricter gate, every check sealed (:mod:`.sealed`), and a
+    check afterwards that no function of the graders or the engine was replaced in this process.
+    ``sign_key``: the JSON carries an HMAC of its content under it (the gradebook checks it)."""
     import warnings
 
-    from .. import engine as _engine  # noqa: F401 -- load what the fingerprint covers before learner code runs
+    from .. import engine as _engine  # noqa: F401 -- load what the fingerprint covers
     from . import harness  # noqa: F401
 
     warnings.filterwarnings("ignore", category=UserWarning, module="minikv")
     print(f"grading {package}/ ...\n")
+    if strict:
+        from .sealed import isolation, make_undumpable
+
+        make_undumpable()
+        print(isolation() + "\n")
     before = fingerprint() if strict else {}
     messages: dict[str, str] = {}
-    results = grade(package, list(argv or []) or None, messages=messages, strict=strict)
+    statuses: dict[str, str] = {}
+    results = grade(package, list(argv or []) or None, messages=messages, strict=strict, statuses=statuses)
     error = ""
     if strict:
         after = fingerprint()
         changed = sorted(k for k in before if after.get(k) != before[k])
         if changed:
-            error = f"the submission replaced grader/engine code ({', '.join(changed[:3])}): every result voided"
+            error = f"tampering: grader/engine code was replaced ({', '.join(changed[:3])}): every result voided"
             results = {k: False for k in results}
+            statuses = {k: "tampering" for k in results}
             print(f"❌ {error}")
     if json_path:
-        Path(json_path).write_text(json.dumps({"results": results, "messages": messages, "error": error},
-                                              ensure_ascii=False))
+        payload = {"results": results, "messages": messages, "statuses": statuses, "error": error}
+        if sign_key:
+            payload["sig"] = sign(payload, sign_key)
+        text = json.dumps(payload, ensure_ascii=False)
+        if json_path == "-":  # on stdout, after a marker: no file another process could rewrite
+            print("\n" + RESULT_MARK + text, flush=True)
+        else:
+            Path(json_path).write_text(text)
     return 0 if all(results.values()) else 1
+
+
+RESULT_MARK = "@@MINIKV-RESULT@@"
+
+
+def sign(payload: dict, key: bytes) -> str:
+    """HMAC-SHA256 of a result payload (without its ``sig``), in canonical JSON."""
+    import hashlib
+    import hmac
+
+    body = json.dumps({k: v for k, v in payload.items() if k != "sig"}, sort_keys=True, ensure_ascii=False)
+    return hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
 
 
 if __name__ == "__main__":
@@ -200,7 +280,9 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(prog="python -m minikv.grading.runner", description="grade a package of exercises")
     ap.add_argument("package", help="importable package name (exercises, solutions, or a submission)")
     ap.add_argument("ids", nargs="*", help="exercise ids (default: all)")
-    ap.add_argument("--json", dest="json_path", help="also write the results to this JSON file")
-    ap.add_argument("--strict", action="store_true", help="graded submission: also refuse imports of the graders")
+    ap.add_argument("--json", dest="json_path", help="also write the results to this JSON file ('-': stdout)")
+    ap.add_argument("--strict", action="store_true", help="graded submission: sealed runs, the strict gate")
+    ap.add_argument("--sign-stdin", action="store_true", help="read a key from stdin and sign the JSON with it")
     a = ap.parse_args()
-    sys.exit(main(a.package, a.ids, a.json_path, a.strict))
+    key = bytes.fromhex(sys.stdin.readline().strip()) if a.sign_stdin else None
+    sys.exit(main(a.package, a.ids, a.json_path, a.strict, key))

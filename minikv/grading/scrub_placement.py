@@ -207,6 +207,25 @@ def _fake_seq(status: SequenceStatus, reason: str | None = None) -> Sequence:
     return seq
 
 
+def _placement_error(t: Transition, who: str, exc: Exception) -> CheckFailed:
+    """The diagnosis of an exception from ``scrub_action(t, seq)``: a refused row (ValueError or
+    KeyError) is a transition left undecided; anything else is a crash inside the decision."""
+    call = f"scrub_action({t.value!r}, <{who}>) raised {type(exc).__name__}: {exc}"
+    if isinstance(exc, (ValueError, KeyError)):
+        return CheckFailed(f"{call} -- but {t.value!r} is a transition of the lifecycle (bug class: a transition "
+                           "left undecided)", "every row of LIFECYCLE needs a decision, including 'adopt' (a "
+                           "same-step duplicate swapped for its twin at commit); only names that are not "
+                           "transitions raise ValueError.")
+    if who == "operator (None)":
+        return CheckFailed(f"{call} (bug class: crashed in the decision -- it assumes every transition has a "
+                           "request, but an operator's reset_prefix_cache passes seq=None)",
+                           "what does the engine pass as seq when no request caused the transition?")
+    return CheckFailed(f"{call} (bug class: crashed in the decision, not a refused transition: the code that "
+                       "decides failed on a value it was given)",
+                       "call your scrub_action by hand with this transition and this kind of request, and read "
+                       "the traceback.")
+
+
 @grader("decide by the lifecycle transition: which rows put old bytes within a NEW reader's reach, and which hand "
         "data to a reader who is meant to have it?")
 def check_scrub_placement(scrub_action) -> str:
@@ -216,10 +235,8 @@ def check_scrub_placement(scrub_action) -> str:
     for t in Transition:
         for who, seq in seqs.items():
             got, exc = call_safely(scrub_action, t, seq)
-            expect(exc is None, f"scrub_action({t.value!r}, <{who}>) raised {type(exc).__name__}: {exc} -- but "
-                   f"{t.value!r} is a transition of the lifecycle (bug class: a transition left undecided)",
-                   "every row of LIFECYCLE needs a decision, including 'adopt' (a same-step duplicate swapped "
-                   "for its twin at commit); only names that are not transitions raise ValueError.")
+            if exc is not None:
+                raise _placement_error(t, who, exc)
             expect(got in (ZERO, KEEP), f"scrub_action({t.value!r}, <{who}>) returned {got!r}; expected ZERO or KEEP")
             if t in (Transition.HIT, Transition.ADOPT, Transition.STORE, Transition.CACHE) and got == ZERO:
                 what = {"hit": "wipes every HIT", "adopt": "wipes every ADOPTED block",

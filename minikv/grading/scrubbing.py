@@ -89,9 +89,12 @@ def check_zero_blocks(zero_blocks) -> str:
                "use an in-place operation (index_fill_, or indexed assignment): a copy costs as much memory as "
                "the whole pool, and other code holds the original tensors.")
         if ids and torch.equal(pool.k_cache, before_k) and torch.equal(pool.v_cache, before_v):
-            raise CheckFailed(f"zero_blocks(pool, {list(ids)}) changed nothing in the pool: your zeroing worked on "
-                              "a COPY (bug class: in-place op on a copy)",
-                              "indexing with a list or tensor (advanced indexing) returns a new tensor; an in-place "
-                              "operation on it never reaches the pool.  Operate on pool.k_cache itself.")
+            raise CheckFailed(f"zero_blocks(pool, {list(ids)}) changed nothing in the pool: the zeros went into a "
+                              "new tensor that was then dropped -- either an in-place op on a COPY (advanced indexing "
+                              "returns one) or an out-of-place op whose result was discarded (index_fill, "
+                              "masked_fill, without the trailing underscore, return a new tensor) (bug class: zeros "
+                              "written to a COPY / result discarded)",
+                              "which tensor did your zeros land in?  Print `x is pool.k_cache` for the tensor your "
+                              "operation returned or modified.")
         _diff_report(pool, before_k, before_v, list(ids), f"zero_blocks(pool, {list(ids)})")
     return "zeroes exactly the given blocks, in every layer, K and V, in place; [] is a no-op"

@@ -10,6 +10,7 @@ tests the contract on direct calls, then installs the code in an engine (the wor
 from __future__ import annotations
 
 import hashlib
+import hmac
 import itertools
 import unicodedata
 
@@ -94,6 +95,14 @@ def check_tenant_key_derivation(derive_tenant_key, encode_fields=None) -> str:
                f"({'no error' if exc is None else type(exc).__name__}); expected {exc_type.__name__}",
                "reject secrets that are not bytes (TypeError) or shorter than 16 bytes (ValueError): "
                "a short secret can be brute-forced, and then every tenant key with it.")
+    if encode_fields is not None:  # structural: HMAC-SHA256(secret, your encode_fields(TENANT_LABEL, tenant))
+        for t in ("alice", None, ""):
+            want = hmac.digest(SECRET_A, encode_fields(TENANT_LABEL, t), "sha256")
+            expect(keys[t] == want, f"the key of {tenant_name(t)} is not HMAC-SHA256(engine secret, "
+                   "encode_fields(TENANT_LABEL, tenant)) (bug class: not HMAC -- a keyed hash built some other "
+                   "way, e.g. sha256 over an encoding that contains the secret)",
+                   "which construction does the contract name, and what are its key and its message?  Lesson 07's "
+                   "cell on keyed hashing builds one; the standard library has it.")
     # Compare with the reference derivation: equal exactly when the reference keys are equal.
     grid = [(s, t) for s in (SECRET_A, SECRET_B) for t in tenants]
     for (s1, t1), (s2, t2) in itertools.combinations(grid, 2):

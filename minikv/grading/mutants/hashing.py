@@ -81,11 +81,18 @@ def hash_ignores_tenant(parent, tokens, extra, tenant_key) -> bytes:
     return hashlib.sha256(_typed(_DOMAIN, parent, tuple(tokens), tuple(extra))).digest()
 
 
+def hash_truncated(parent, tokens, extra, tenant_key) -> bytes:
+    """Typed, chained, domain-separated -- then cut to 16 bytes ("still 128 bits"): the contract says the
+    full digest, never truncated (issue 37: it was accepted)."""
+    return hashlib.sha256(_typed(_DOMAIN, parent, tuple(tokens), tuple(extra), tenant_key)).digest()[:16]
+
+
 MUTANTS = {
     "1a": entries(("untyped", encode_untyped), ("no-length", encode_no_length), ("repr", encode_json_like),
                   ("typed-separator", encode_typed_separator)),
     "1b": entries(("untyped-concat", hash_untyped_concat), ("unchained", hash_unchained),
-                  ("packed-no-boundaries", hash_packed_no_boundaries), ("ignores-tenant", hash_ignores_tenant)),
+                  ("packed-no-boundaries", hash_packed_no_boundaries), ("ignores-tenant", hash_ignores_tenant),
+                  ("truncated", hash_truncated)),
 }
 
 
@@ -94,4 +101,5 @@ DIAGNOSES = {
     ("1a", "repr"): "a list and a tuple", ("1a", "typed-separator"): "containing the separator",
     ("1b", "untyped-concat"): "without separators are ambiguous", ("1b", "unchained"): "unchained key",
     ("1b", "packed-no-boundaries"): "need length prefixes", ("1b", "ignores-tenant"): "tenant key never reaches the hash",
+    ("1b", "truncated"): "truncated key",
 }

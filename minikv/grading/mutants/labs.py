@@ -53,6 +53,22 @@ def oracle_double_check(card):
     return found
 
 
+def oracle_char_by_char(card):
+    """Guesses one character at a time, ignoring blocks: a probe that stops inside a block is never
+    answered from cache (keys name whole blocks), so no candidate stands out and the first letter
+    'wins' (issue 37: diagnosed as self-priming)."""
+    found = ""
+    with OracleClient(card) as oracle:
+        while len(found) < card["secret_len"]:
+            best, pick = -1, card["alphabet"][0]
+            for c in card["alphabet"]:
+                got = oracle.cached_tokens(card["prefix"] + found + c)
+                if got > best:
+                    best, pick = got, c
+            found += pick
+    return found
+
+
 def oracle_hard_coded(card):
     """Returns the secret that worked once (a fixed answer): the grader draws a fresh one."""
     with OracleClient(card) as oracle:
@@ -157,7 +173,7 @@ def detect_exact_prefix(records, block_size, threshold=8):
 
 LAB_MUTANTS = {
     "L1": entries(("no_filler", oracle_no_filler), ("double_check", oracle_double_check),
-                  ("hard_coded", oracle_hard_coded)),
+                  ("hard_coded", oracle_hard_coded), ("char_by_char", oracle_char_by_char)),
     "L2": entries(("back_to_back", timing_back_to_back), ("rounds_no_flush", timing_rounds_no_flush),
                   ("hard_coded", timing_hard_coded)),
     "L3": entries(("counts_requests", detect_counts_requests), ("across_tenants", detect_across_tenants),

@@ -34,6 +34,16 @@ def zero_wrong_dim(pool, block_ids):
         pool.v_cache[ids] = 0
 
 
+def zero_index_fill_discarded(pool, block_ids):
+    """``index_fill`` without the underscore: it returns a NEW zeroed tensor, which is dropped, so
+    the pool keeps every byte (issue 37: the diagnosis blamed advanced indexing)."""
+    import torch
+    if block_ids:
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long)
+        pool.k_cache.index_fill(1, idx, 0.0)
+        pool.v_cache.index_fill(1, idx, 0.0)
+
+
 def zero_on_a_copy(pool, block_ids):
     """Advanced indexing, then an in-place op: ``pool.k_cache[:, ids]`` is a COPY, so ``.zero_()``
     zeroes the copy and the pool keeps every byte."""
@@ -75,6 +85,16 @@ def place_wipe_adopted(transition, seq):
     adoption lets go of (which leaves through 'free' and is zeroed there)."""
     _T(transition)
     return "zero" if transition in (*_INTO_FREE_LIST, _T.ADOPT) else "keep"
+
+
+def place_compares_reason(transition, seq):
+    """Orders finish reasons as if they were numbers (``seq.finish_reason > 0``): raises TypeError on
+    the first request -- a crash inside the decision, not a refused transition (issue 37: it was
+    diagnosed as "a transition left undecided")."""
+    transition = _T(transition)
+    if transition is _T.FREE and seq is not None and seq.finish_reason > 0:
+        return "keep"
+    return "zero" if transition in _INTO_FREE_LIST else "keep"
 
 
 def place_no_adopt_row(transition, seq):
@@ -128,17 +148,20 @@ def place_needs_a_request(transition, seq):
 
 MUTANTS = {
     "3a": entries(("k-only", zero_k_only), ("layer0-only", zero_layer0_only), ("wrong-dim", zero_wrong_dim),
-                  ("on-a-copy", zero_on_a_copy), ("out-of-place", zero_out_of_place)),
+                  ("on-a-copy", zero_on_a_copy), ("out-of-place", zero_out_of_place),
+                  ("index-fill-discarded", zero_index_fill_discarded)),
     "3b": entries(("wipe-hits", place_wipe_hits), ("wipe-adopted", place_wipe_adopted),
                   ("no-adopt-row", place_no_adopt_row), ("on-release", place_on_release),
                   ("keep-evicted", place_keep_evicted), ("finished-only", place_finished_only),
-                  ("skip-aborted", place_skip_aborted), ("needs-a-request", place_needs_a_request)),
+                  ("skip-aborted", place_skip_aborted), ("needs-a-request", place_needs_a_request),
+                  ("compares-reason", place_compares_reason)),
 }
 
 #: mutant -> the words its grader's verdict must contain (the bug class it names)
 DIAGNOSES = {
     ("3a", "k-only"): "V forgotten", ("3a", "layer0-only"): "only some layers zeroed", ("3a", "wrong-dim"): "wrong dimension",
     ("3a", "on-a-copy"): "COPY", ("3a", "out-of-place"): "out-of-place copy",
+    ("3a", "index-fill-discarded"): "result discarded", ("3b", "compares-reason"): "crashed in the decision",
     ("3b", "wipe-hits"): "wipes every HIT", ("3b", "wipe-adopted"): "wipes every ADOPTED block",
     ("3b", "no-adopt-row"): "a transition left undecided", ("3b", "on-release"): "released INTO the cache",
     ("3b", "keep-evicted"): "LRU EVICTION", ("3b", "finished-only"): "PREEMPTION",

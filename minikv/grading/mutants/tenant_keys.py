@@ -71,6 +71,14 @@ def derive_sha256_concat(engine_secret, tenant) -> bytes:
     return hashlib.sha256(engine_secret + encode_fields("minikv/tenant-key/v1", tenant)).digest()
 
 
+def derive_sha256_of_encoding(engine_secret, tenant) -> bytes:
+    """``sha256(encode_fields(label, tenant, secret))``: the secret inside a typed message, then a plain
+    hash -- no concatenation for the ad-hoc list to spot, but still not HMAC (issue 37: it was accepted)."""
+    from ...security.encoding import encode_fields
+    _check(engine_secret)
+    return hashlib.sha256(encode_fields("minikv/tenant-key/v1", tenant, bytes(engine_secret))).digest()
+
+
 def derive_no_secret_check(engine_secret, tenant) -> bytes:
     """Correct HMAC, but an empty or 5-byte secret is accepted (brute-forceable keys)."""
     return hmac.digest(bytes(engine_secret, "utf-8") if isinstance(engine_secret, str) else engine_secret,
@@ -167,7 +175,7 @@ MUTANTS = {
     "2a": entries(("unkeyed", derive_unkeyed), ("none-is-empty", derive_none_is_empty), ("concat", derive_concat),
                   ("no-secret-check", derive_no_secret_check), ("str-tenant", derive_str_tenant),
                   ("nfc-normalised", derive_nfc_normalised), ("ascii-lossy", derive_ascii_lossy),
-                  ("sha256-concat", derive_sha256_concat)),
+                  ("sha256-concat", derive_sha256_concat), ("sha256-of-encoding", derive_sha256_of_encoding)),
     "2b": entries(("salt-never-used", KeyedSaltNeverUsed), ("first-block-only", KeyedFirstBlockOnly),
                   ("truncated", KeyedTruncated), ("sha256-concat", KeyedSha256Concat)),
     "2c": entries(("salt-last-block-only", keys_salt_last_block_only), ("salt-never-passed", keys_salt_never_passed),
@@ -180,6 +188,7 @@ DIAGNOSES = {
     ("2a", "concat"): "contains the engine secret", ("2a", "no-secret-check"): "accepted a 5-byte secret",
     ("2a", "str-tenant"): "None (anonymous) and 'None'", ("2a", "nfc-normalised"): "two Unicode forms",
     ("2a", "ascii-lossy"): "lossy encoding", ("2a", "sha256-concat"): "ad-hoc keyed hash",
+    ("2a", "sha256-of-encoding"): "not HMAC",
     ("2b", "salt-never-used"): "tenant key never reaches the hash", ("2b", "first-block-only"): "only enters the first block",
     ("2b", "truncated"): "truncated key", ("2b", "sha256-concat"): "ad-hoc keyed hash",
     ("2c", "salt-last-block-only"): "tenant key missing from a private block", ("2c", "salt-never-passed"): "tenant key missing from a private block",

@@ -1,6 +1,7 @@
 # minikv: every target sets up what it needs (.venv, packages, model) on its own.
 #   make course   open the course in JupyterLab on 127.0.0.1
-#   make test     the whole test suite: pytest over tests/, nbval over course/*.ipynb
+#   make test     the whole test suite: pytest over tests/, nbval over course/*.ipynb; prints its wall clock
+#                 and peak memory at the end
 #   make test-thorough  the engine property tests at 10,000 examples (~15 min; not in make test)
 #   make grade    grade your exercises/ (DIR=folder: grade every student's subfolder into a gradebook,
 #                 JOBS=N at once, sealed: learner code never runs in a grader's process)
@@ -16,7 +17,7 @@
 #                 installed without pins, frozen); review the diff, then `make test`
 # Installs are pinned: .venv gets exactly the versions in constraints.txt, and is
 # re-installed when pyproject.toml or constraints.txt changes.
-# Knobs: PYTHON (base interpreter), PORT, PYTEST_ARGS, GPU_CHECK_ARGS (e.g. --report DIR), MINIKV_HOME (model cache),
+# Knobs: PYTHON (base interpreter), PORT, PYTEST_ARGS, TEST_WORKERS (pytest processes, default 2), GPU_CHECK_ARGS (e.g. --report DIR), MINIKV_HOME (model cache),
 #        MINIKV_TORCH=system (reuse the base python's torch), see scripts/bootstrap.py.
 
 PYTHON ?= python3
@@ -27,7 +28,7 @@ MODEL := smollm2-135m-instruct
 NOTEBOOKS := $(wildcard course/*.ipynb)
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
-.PHONY: setup upgrade-deps model kernels chromium course test test-py test-nb test-thorough grade hint bench gpu-check bench-peers clean vllm vllm-start vllm-stop gu-data
+.PHONY: setup upgrade-deps model kernels chromium course test test-all test-py test-nb test-thorough grade hint bench gpu-check bench-peers clean vllm vllm-start vllm-stop gu-data
 
 setup:
 	@$(PYTHON) scripts/bootstrap.py
@@ -54,7 +55,13 @@ course: model
 # it is started once, before pytest and nbval, and stopped by its PID however they end.
 VLLM_SERVER := $(PY) scripts/vllm_server.py
 
-test: model chromium
+# make test prints its own wall clock and peak memory at the end (scripts/measure.py: the largest
+# process, as GNU time counts it, and the whole tree), with the budgets a laptop needs: 15 min, 6 GB.
+test:
+	@$(PYTHON) scripts/measure.py --label "make test" --max-rss-gb 6 --max-minutes 15 -- \
+	  $(MAKE) --no-print-directory test-all
+
+test-all: model chromium
 	@if [ -x .venv-vllm/bin/python ]; then $(VLLM_SERVER) start || exit 1; \
 	  else echo "[vllm] not installed (make vllm): vllm-marked tests skip, lesson 11 uses minikv serve"; fi; \
 	trap '$(VLLM_SERVER) stop' EXIT; $(MAKE) --no-print-directory test-py test-nb
@@ -69,8 +76,11 @@ vllm-start: model
 vllm-stop:
 	@$(VLLM_SERVER) stop
 
+# pytest in TEST_WORKERS processes (pytest-xdist; 0 = one process), a test file per worker at a time:
+# the suite waits on servers and subprocesses much of the time, so two workers fit two cores.
+TEST_WORKERS ?= 2
 test-py: model chromium
-	$(PYTEST) tests $(PYTEST_ARGS)
+	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile tests $(PYTEST_ARGS)
 
 # The engine property tests' thorough profile (tests/test_engine_properties.py): prints the count.
 test-thorough: model

@@ -9,7 +9,7 @@ Two memory figures, because they answer different questions:
   tree, from ``getrusage(RUSAGE_CHILDREN)`` after it exits: the same number as GNU time's
   "Maximum resident set size", and the one that decides whether a laptop can run the suite;
 * **whole tree** -- the largest sum of resident sets over the command and all its descendants,
-  sampled twice a second (psutil; skipped where it is not installed).  It catches a suite that
+  sampled twice a second from ``/proc`` (Linux; skipped elsewhere).  It catches a suite that
   keeps several medium processes alive at once, which the first figure cannot see.
 
 Servers that detach from the tree (the vLLM that ``make test`` starts first) are in neither.
@@ -19,6 +19,7 @@ themselves never time or weigh anything.  The exit status is the command's own.
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import subprocess
 import sys
@@ -28,28 +29,42 @@ import time
 GB = 1 << 30
 
 
+def tree_rss(pid: int) -> int:
+    """Summed resident bytes of ``pid`` and all its descendants, read from ``/proc`` (Linux).
+
+    Stdlib only, so ``make test`` can measure itself before the venv exists.  A process may end
+    between listing and reading: it is simply not counted.
+    """
+    parent, rss = {}, {}
+    page = os.sysconf("SC_PAGE_SIZE")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()   # the name may hold spaces: split after it
+            with open(f"/proc/{entry}/statm") as fh:
+                rss[int(entry)] = int(fh.read().split()[1]) * page
+            parent[int(entry)] = int(fields[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    children: dict[int, list[int]] = {}
+    for child, ppid in parent.items():
+        children.setdefault(ppid, []).append(child)
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        total += rss.get(p, 0)
+        todo += children.get(p, [])
+    return total
+
+
 def tree_sampler(pid: int, stop: threading.Event, peak: list[int]) -> None:
-    """Keep ``peak[0]`` at the largest summed RSS of ``pid`` and its descendants seen so far."""
-    try:
-        import psutil
-    except ImportError:
-        return
-    try:
-        root = psutil.Process(pid)
-    except psutil.Error:
+    """Keep ``peak[0]`` at the largest summed RSS of ``pid``'s tree, sampled twice a second."""
+    if not os.path.isdir("/proc"):
         return
     while not stop.wait(0.5):
-        total = 0
-        try:
-            procs = [root, *root.children(recursive=True)]
-        except psutil.Error:
-            break
-        for p in procs:
-            try:
-                total += p.memory_info().rss
-            except psutil.Error:    # a process that ended between listing and reading
-                pass
-        peak[0] = max(peak[0], total)
+        peak[0] = max(peak[0], tree_rss(pid))
 
 
 def main(argv: list[str] | None = None) -> int:

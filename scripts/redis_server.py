@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from vllm_server import alive, stop_pid  # noqa: E402 -- one way to check and stop a server by its PID
 STATE_DIR = ROOT / "out" / "redis"
 DEFAULT_PORT = 6390
 INSTALL = "apt-get install -y redis-server"
@@ -53,14 +55,6 @@ def ping(port: int, timeout: float = 1.0) -> bool:
         with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
             s.sendall(b"*1\r\n$4\r\nPING\r\n")
             return s.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
     except OSError:
         return False
 
@@ -110,25 +104,6 @@ def start(args: argparse.Namespace) -> int:
     stop_pid(proc.pid)
     pid_file.unlink(missing_ok=True)
     return 1
-
-
-def stop_pid(pid: int, grace: float = 10.0) -> None:
-    """SIGTERM ``pid`` (redis-server exits at once without persistence), SIGKILL after ``grace`` s."""
-    import signal
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            return
-        deadline = time.time() + grace
-        while time.time() < deadline:
-            try:
-                if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                    return
-            except ChildProcessError:  # started by another process: poll instead
-                if not alive(pid):
-                    return
-            time.sleep(0.1)
 
 
 def stop(args: argparse.Namespace) -> int:

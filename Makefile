@@ -28,7 +28,7 @@ MODEL := smollm2-135m-instruct
 NOTEBOOKS := $(wildcard course/*.ipynb)
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
-.PHONY: setup upgrade-deps model kernels chromium course test test-all test-py test-nb test-thorough grade hint bench gpu-check bench-peers clean vllm vllm-start vllm-stop gu-data
+.PHONY: setup upgrade-deps model kernels chromium course test test-all test-py test-nb test-thorough grade hint bench gpu-check bench-peers clean vllm vllm-start vllm-stop redis redis-stop gu-data
 
 setup:
 	@$(PYTHON) scripts/bootstrap.py
@@ -55,6 +55,10 @@ course: model
 # it is started once, before pytest and nbval, and stopped by its PID however they end.
 VLLM_SERVER := $(PY) scripts/vllm_server.py
 
+# Likewise one private Redis (if redis-server is installed: apt-get install -y redis-server) serves
+# the redis-marked tests (the KV tiers); without it they skip, naming the install command.
+REDIS_SERVER := $(PY) scripts/redis_server.py
+
 # make test prints its own wall clock and peak memory at the end (scripts/measure.py: the largest
 # process, as GNU time counts it, and the whole tree), with the budgets a laptop needs: 15 min, 6 GB.
 test:
@@ -64,7 +68,9 @@ test:
 test-all: model chromium
 	@if [ -x .venv-vllm/bin/python ]; then $(VLLM_SERVER) start || exit 1; \
 	  else echo "[vllm] not installed (make vllm): vllm-marked tests skip, lesson 11 uses minikv serve"; fi; \
-	trap '$(VLLM_SERVER) stop' EXIT; $(MAKE) --no-print-directory test-py test-nb
+	if command -v redis-server >/dev/null 2>&1; then $(REDIS_SERVER) start || exit 1; \
+	  else echo "[redis] not installed (apt-get install -y redis-server): redis-marked tests skip"; fi; \
+	trap '$(VLLM_SERVER) stop; $(REDIS_SERVER) stop' EXIT; $(MAKE) --no-print-directory test-py test-nb
 
 # vLLM's CPU build in .venv-vllm (its own pins; see scripts/vllm_env.py), ~3 GB.
 vllm: setup
@@ -75,6 +81,13 @@ vllm-start: model
 
 vllm-stop:
 	@$(VLLM_SERVER) stop
+
+# A private Redis on 127.0.0.1:6390 for the KV tiers (kv_tiers=["redis://127.0.0.1:6390/0"]).
+redis:
+	@$(REDIS_SERVER) start
+
+redis-stop:
+	@$(REDIS_SERVER) stop
 
 # pytest in TEST_WORKERS processes (pytest-xdist; 0 = one process), a test file per worker at a time:
 # the suite waits on servers and subprocesses much of the time, so two workers fit two cores.

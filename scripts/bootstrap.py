@@ -57,7 +57,7 @@ VENV = ROOT / ".venv"
 PY = VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
 STAMP = VENV / ".minikv-setup"
 CONSTRAINTS = ROOT / "constraints.txt"
-EXTRAS = "serve,audit,convert,course,test"   # all of pyproject's extras: make course/test need them
+EXTRAS = "serve,audit,convert,course,test,tiers"   # all of pyproject's extras: make course/test need them
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
 

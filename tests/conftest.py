@@ -30,3 +30,11 @@ def smollm2_path():
             raise
         pytest.skip(f"SmolLM2 is not available ({err}); fetch it with "
                     "`python -m minikv.models.hub fetch smollm2-135m-instruct`")
+
+
+@pytest.fixture(scope="session")
+def redis_base():
+    """``redis://127.0.0.1:PORT`` of a real Redis (tests/redis_helpers.py): skips, naming the install
+    command, without redis-server -- a failure under ``$MINIKV_REQUIRE_REDIS`` (CI)."""
+    from redis_helpers import redis_base as base
+    yield from base()

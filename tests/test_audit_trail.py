@@ -64,7 +64,7 @@ def test_request_level_is_the_default_one_summary_per_request_and_no_content(bas
     assert {e["v"] for e in events} == {2} and len({e["engine"] for e in events}) == 1
     assert events[0]["level"] == "request" and events[0]["block_size"] == 16
     s = events[1]
-    assert set(s["blocks"]) == {"allocated", "hit", "adopted", "stored", "evicted", "scrubbed"}
+    assert set(s["blocks"]) == {"allocated", "hit", "adopted", "stored", "evicted", "scrubbed", "tier_hit", "offloaded"}
     assert len(s["prefix_fps"]) == s["num_prompt_tokens"] // 16 and len(s["tail_fp"]) == 16
     assert s["finish_reason"] == "length" and s["num_output_tokens"] == 2
     assert len({(e["engine"], e["request_id"]) for e in events[1:]}) == len(jobs)
@@ -95,7 +95,8 @@ def test_both_levels_record_the_same_decisions(base, tmp_path):
         evs = per_req[rid]
         kinds = Counter(e["event"] for e in evs)
         assert s["blocks"] == {"allocated": kinds["allocate"], "hit": kinds["hit"], "adopted": kinds["adopt"],
-                               "stored": kinds["store"], "evicted": kinds["evict"], "scrubbed": kinds["scrub"]}
+                               "stored": kinds["store"], "evicted": kinds["evict"], "scrubbed": kinds["scrub"],
+                               "tier_hit": kinds["onload"], "offloaded": kinds["offload"]}
         assert s["hit_fps"] == [e["fp"] for e in evs if e["event"] == "hit"]
         assert s["adopted_fps"] == [e["fp"] for e in evs if e["event"] == "adopt"]
         assert s["stored_fps"] == [e["fp"] for e in evs if e["event"] == "store"]

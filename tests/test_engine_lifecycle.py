@@ -20,10 +20,13 @@ def test_the_table_names_every_transition_once():
     into_free = {t for t, e in LIFECYCLE.items() if e.target is State.FREE}
     out_of_free = {t for t, e in LIFECYCLE.items() if State.FREE in e.source}
     assert into_free == {Transition.FREE, Transition.EVICT}
-    assert out_of_free == {Transition.ALLOCATE}
+    # An onload (KV tiers) leaves the free list too, without on_alloc: it overwrites every slot of the
+    # block with verified K/V (tier_link.load), so nothing of the last owner survives to be scrubbed.
+    assert out_of_free == {Transition.ALLOCATE, Transition.ONLOAD}
     # the two required hooks guard the free list; every other transition has an optional hook
-    assert {LIFECYCLE[t].hook for t in into_free | out_of_free} == {"on_free", "on_alloc"}
-    assert len({e.hook for e in LIFECYCLE.values()}) == 7  # + on_promote, on_isolate (selective sharing)
+    assert {LIFECYCLE[t].hook for t in into_free | {Transition.ALLOCATE}} == {"on_free", "on_alloc"}
+    # + on_promote, on_isolate (selective sharing), on_offload, on_onload (KV tiers)
+    assert len({e.hook for e in LIFECYCLE.values()}) == 9
     # an adoption is a hit found at commit: the same hook (a scrubber must treat both alike), its own record
     assert LIFECYCLE[Transition.ADOPT].hook == LIFECYCLE[Transition.HIT].hook == "on_hit"
     assert [LIFECYCLE[t].record for t in REUSES] == ["hit", "adopt"] and list(REUSE_RECORDS) == ["hit", "adopt"]
@@ -101,8 +104,10 @@ def test_one_dispatch_runs_the_tables_hook_for_every_transition():
     twin = list(range(40, 53))
     llm.generate([twin, twin], P, tenant="a")  # one step: the second adopts the first's 3 blocks at commit
     llm.engine.reset_prefix_cache()  # evicts them
-    # promote and isolate happen only under cache_isolation="selective" (tests/test_selective*.py)
-    assert {t for t, _ in seen} == set(Transition) - {Transition.PROMOTE, Transition.ISOLATE}
+    # promote and isolate happen only under cache_isolation="selective" (tests/test_selective*.py),
+    # offload and onload only with kv_tiers (tests/test_kv_tiers.py checks their hooks the same way)
+    assert {t for t, _ in seen} == set(Transition) - {Transition.PROMOTE, Transition.ISOLATE,
+                                                      Transition.OFFLOAD, Transition.ONLOAD}
     assert [len(ids) for t, ids in seen if t == Transition.ADOPT] == [3]
     assert [(LIFECYCLE[Transition(t)].hook, ids) for t, ids in seen] == spy.calls
 

@@ -34,7 +34,7 @@ def _cmd_isolation(args: argparse.Namespace) -> int:
                 raise ValueError("--api-keys must hold a JSON object mapping key -> tenant")
             report = audit_server(args.base_url, keys, model=args.served_model, rounds=args.rounds,
                                   seed=args.seed_workload, concurrency=args.concurrency,
-                                  prompt_words=args.prompt_words, timeout=args.timeout)
+                                  prompt_words=args.prompt_words, timeout=args.timeout, prime_url=args.prime_url)
         else:
             if not args.model:
                 print("error: give --model M (in-process) or --base-url URL --api-keys FILE", file=sys.stderr)
@@ -62,6 +62,9 @@ def add_isolation_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPa
                                    "2 violation, 3 inconclusive, 1 error.")
     p.add_argument("--base-url", help="audit a running server (API root ending in /v1)")
     p.add_argument("--api-keys", metavar="FILE", help="JSON key -> tenant (server mode; >= 2 tenants)")
+    p.add_argument("--prime-url", metavar="URL",
+                   help="server mode: send the first sends of every prompt to this other instance (same keys), "
+                        "the rest to --base-url: audits instances sharing a KV tier (--kv-tier redis://...)")
     p.add_argument("--served-model", help="server mode: model id (default: first of GET /models)")
     p.add_argument("--tenants", default="alice,bob,carol", help="engine mode: comma-separated tenants")
     p.add_argument("--rounds", type=int, default=2, help="rounds of repeated prefixes (default 2)")

@@ -24,7 +24,7 @@ from .isolation import AuditRequest, IsolationReport, _tally, build_workload
 
 def audit_server(base_url: str, api_keys: Mapping[str, str], model: str | None = None, rounds: int = 2,
                  seed: int = 0, salt: str | None = None, prompt_words: int = 40, concurrency: int = 8,
-                 timeout: float = 120.0, max_tokens: int = 1) -> IsolationReport:
+                 timeout: float = 120.0, max_tokens: int = 1, prime_url: str | None = None) -> IsolationReport:
     """Audit a running OpenAI-compatible server with several API keys (``{key: tenant}``).
 
     Needs ``usage.prompt_tokens_details.cached_tokens`` in responses; without it the verdict is
@@ -33,6 +33,12 @@ def audit_server(base_url: str, api_keys: Mapping[str, str], model: str | None =
     the tenant, not the key.
     The requests of each wave are sent concurrently by ``concurrency`` threads.  Keys are never
     stored in the report.
+
+    ``prime_url``: another instance (same keys) that receives the first wave -- every tenant's first
+    send of its document and of the system prompt -- while everything after goes to ``base_url``.
+    That audits a fleet sharing a KV tier: a ``cross`` hit on ``base_url`` is then another tenant's
+    block cached through the *other* instance (LMCache #4825's salt-drop), and the same-tenant hits
+    that make the verdict conclusive must cross instances too.
     """
     import httpx
 
@@ -42,6 +48,7 @@ def audit_server(base_url: str, api_keys: Mapping[str, str], model: str | None =
     tenants = list(by_tenant)
     waves = build_workload(tenants, rounds, seed, salt, prompt_words)
     base = base_url.rstrip("/")
+    prime = prime_url.rstrip("/") if prime_url else base
 
     def key_for(req: AuditRequest) -> str:
         # First sends use the tenant's first key, repeats its last: with two keys per tenant the
@@ -66,7 +73,8 @@ def audit_server(base_url: str, api_keys: Mapping[str, str], model: str | None =
             req, key = job
             body = {"model": model, "prompt": req.prompt, "max_tokens": max_tokens, "temperature": 0}
             try:
-                r = http.post(f"{base}/completions", json=body, headers={"Authorization": f"Bearer {key}"})
+                url = prime if req.wave == 0 else base  # the first wave primes the other instance, if any
+                r = http.post(f"{url}/completions", json=body, headers={"Authorization": f"Bearer {key}"})
             except httpx.HTTPError as exc:
                 return req, None, type(exc).__name__
             if r.status_code != 200:

@@ -64,7 +64,7 @@ class _Open:
 
     def __init__(self, seq):
         self.seq = seq
-        self.counts = dict(allocated=0, hit=0, adopted=0, stored=0, evicted=0, scrubbed=0)
+        self.counts = dict(allocated=0, hit=0, adopted=0, stored=0, evicted=0, scrubbed=0, tier_hit=0, offloaded=0)
         self.hit_fps: list[str] = []
         self.adopted_fps: list[str] = []
         self.stored_fps: list[str] = []
@@ -207,6 +207,10 @@ class AuditTrail:
                 acc.evicted_owners[b.writer_tenant] += 1
             elif event == "allocate":
                 acc.counts["allocated"] += 1
+            elif event == "onload":  # a KV-tier hit: the block's "hit" follows, so pool hits = hit - tier_hit
+                acc.counts["tier_hit"] += 1
+            elif event == "offload":
+                acc.counts["offloaded"] += 1
         self._block_records(event, rows, seq)
 
     def scrub(self, hook: str, block_ids: list[int], seq) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from .config import ATTENTION_BACKENDS, CACHE_ISOLATION, DTYPES, HASH_ALGOS
+from .kv_tiers import TIER_KEYS
 from .config import SCRUB_POLICIES as SCRUB
 from .config import SHARING_STRATEGIES
 _VERIFY = {"true": "IDENTITY", "false": "NOTHING", "tokens": "TOKENS"}  # --verify-hits -> VerifyHits
@@ -108,6 +109,16 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = True
                    help="request (default): one summary line per request; block: one line per block event")
     s.add_argument("--engine-secret-file", metavar="PATH",
                    help="file holding the engine secret (>= 16 bytes); default: random per start")
+    t = p.add_argument_group("KV tiers")
+    t.add_argument("--kv-tier", action="append", default=None, metavar="SPEC", dest="kv_tiers",
+                   help="a KV tier below the pool, in lookup order (repeatable): 'host' or 'host?mib=N' "
+                        "(in-process; the pool's LRU evicts into it), 'redis://127.0.0.1:6390/0?ttl=S&budget_mib=N' "
+                        "(shared by instances: give them the same --engine-secret-file).  Default: none")
+    t.add_argument("--kv-tier-keys", choices=TIER_KEYS,
+                   help="tenant (default: tier keys are the tenant-keyed block hashes) or content (UNSAFE: "
+                        "the content hash alone, LMCache #4825's cache_salt='')")
+    t.add_argument("--kv-tier-encrypt", action=argparse.BooleanOptionalAction, default=None,
+                   help="seal K/V in the tiers with per-tenant AES-GCM (default); --no-kv-tier-encrypt is UNSAFE")
 
 
 _FIELDS = ("model", "device", "dtype", "seed", "block_size", "num_blocks", "max_num_seqs",
@@ -115,7 +126,7 @@ _FIELDS = ("model", "device", "dtype", "seed", "block_size", "num_blocks", "max_
            "enable_prefix_caching", "cache_isolation", "hash_algo", "chain_hashes", "scrub", "max_cached_blocks_per_tenant",
            "audit_log", "audit_level")
 
-_FIELDS += ("selective_strategy", "selective_k")
+_FIELDS += ("selective_strategy", "selective_k", "kv_tier_keys", "kv_tier_encrypt")
 
 
 _MONITOR_FLAGS = {"selective_monitor_threshold": "threshold", "selective_monitor_window": "window"}
@@ -140,6 +151,8 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict:
     if getattr(args, "verify_hits", None) is not None:
         from ..engine.lifecycle import VerifyHits
         kw["verify_hits"] = VerifyHits[_VERIFY[args.verify_hits]]
+    if getattr(args, "kv_tiers", None):
+        kw["kv_tiers"] = tuple(args.kv_tiers)
     if getattr(args, "shared_prefix", None):
         kw["shared_prefixes"] = tuple(args.shared_prefix)
     if getattr(args, "engine_secret_file", None):

@@ -59,6 +59,7 @@ class Block:
     writer_request: str | None = None
     writer_tenant: str | None = None
     public: bool = False
+    tier_key: tuple | None = None  # (tier key, tokens, domain) while registered with KV tiers on
 
     @property
     def ref(self) -> tuple[int, int]:
@@ -78,6 +79,7 @@ class BlockManager(PrefixIndex):
         self.free_ids: deque[int] = deque(range(num_blocks))
         self._init_index(hasher, enable_caching, chain_hashes, verify_hits, max_cached_per_tenant)
         self.listeners: list[Callable] = []
+        self.tier = None  # a tier_link.TierLink when KV tiers are on: offload on evict, onload on miss
         self.num_deduplicated = 0  # duplicate blocks freed by commit (their twin was adopted)
         # Tokens touched: "hashed" (block_hash), "verified" (hit checks), "committed" (commit).
         self.work: Counter = Counter()
@@ -234,6 +236,44 @@ class BlockManager(PrefixIndex):
         self.emit(Transition.FREE, freed, seq)
         self.emit(Transition.CACHE, cached, seq)
         self._enforce_quota(seq.tenant, seq)
+
+    # ---------------------------------------------------------------- KV tiers
+    def _onload(self, seq: Sequence, i: int, hits: list[int]) -> int | None:
+        """On a pool miss of ``seq``'s block ``i``: bring it back from a KV tier into a free block,
+        registered and cached as if computed here (the ``onload`` transition); None if no tier has a
+        value that verifies, or no block can take it without evicting one of ``hits``.  Allocation
+        stays feasible exactly when it was: one available block is spent, one fewer is needed."""
+        got = self.tier.fetch(seq, i)
+        if got is None:
+            return None
+        payload, tier_key, _ = got
+        bid = self._onload_slot(seq, hits)
+        if bid is None:
+            return None
+        block = self.blocks[bid]
+        block.generation += 1
+        block.writer_request, block.writer_tenant, block.num_tokens = seq.request_id, seq.tenant, self.block_size
+        self.tier.load(bid, payload)  # every slot overwritten: nothing of the block's last owner is left
+        parent = self.blocks[hits[-1]].ref if hits else None
+        self._register(block, self.block_hash(seq, i), self.identity(seq, i, parent),
+                       seq.block_is_public(i, self.block_size))
+        block.tier_key = tier_key
+        self.cached.add(bid, seq.tenant)
+        seq.num_tier_blocks += 1
+        self.emit(Transition.ONLOAD, [bid], seq)
+        return bid
+
+    def _onload_slot(self, seq: Sequence, hits: list[int]) -> int | None:
+        """A free block for an onload: the free list first, else the oldest cached block that is
+        not one of this lookup's hits (evicted, so offloaded in its turn)."""
+        if self.free_ids:
+            return self.free_ids.popleft()
+        keep = set(hits)
+        victim = next((b for b in self.cached if b not in keep), None)
+        if victim is None:
+            return None
+        self._evict(victim, seq)
+        return self.free_ids.pop()
 
     # ---------------------------------------------------------------- inspection
     def check_invariants(self, seqs: list[Sequence]) -> None:

@@ -25,6 +25,7 @@ from .checks import as_int, as_real, as_seed, check_bool, show
 # The device checks live in device.py; DEVICE_TYPES and resolve_device stay importable from here.
 from .device import DEVICE_TYPES, check_device, is_torch_dtype, resolve_device  # noqa: F401
 from .lifecycle import VerifyHits
+from .kv_tiers import TIER_KEYS, parse_tiers
 from .sharing import STRATEGIES as SHARING_STRATEGIES
 
 CACHE_ISOLATION = ("shared", "tenant", "request", "selective")
@@ -111,6 +112,15 @@ class EngineConfig:
         audit_log: path of the operator's JSONL audit trail, or None.
         audit_level: ``"request"`` (one summary line per request) or ``"block"`` (one line per
             block event, for tracing); see docs/ARCHITECTURE.md, "Audit trail".
+        kv_tiers: KV tiers below the pool, in lookup order (``minikv.engine.kv_tiers``): specs such
+            as ``"host"`` (bounded, in-process; the pool's LRU evicts into it) and
+            ``"redis://127.0.0.1:6390/0"`` (shared by instances; TTL, per-tenant byte budget).
+            Empty (default): no tier, the pool is the whole cache.  Instances sharing a store
+            must share ``engine_secret`` (their keys and MACs derive from it).
+        kv_tier_keys: ``"tenant"`` (default: a block's tier key is its tenant-keyed pool hash) or
+            UNSAFE ``"content"`` (the content chain alone: LMCache #4825's ``cache_salt=''``).
+        kv_tier_encrypt: seal K/V with per-tenant AES-GCM in the tiers (default); UNSAFE False
+            stores them in the clear (still MACed).
         block_hasher / scrubber: learner-supplied implementations of the seams; they override
             ``hash_algo`` / ``scrub``.
     """
@@ -142,6 +152,9 @@ class EngineConfig:
     reuse_monitor: Any = None
     audit_log: str | None = None
     audit_level: str = "request"
+    kv_tiers: tuple = ()
+    kv_tier_keys: str = "tenant"
+    kv_tier_encrypt: bool = True
     block_hasher: Any = None
     scrubber: Any = None
 
@@ -194,7 +207,9 @@ class EngineConfig:
         if self.scrubber is not None and not all(callable(getattr(self.scrubber, m, None))
                                                  for m in ("on_free", "on_alloc")):
             raise TypeError(f"scrubber must have on_free and on_alloc methods, got {type(self.scrubber).__name__}")
-        for flag in ("enforce_eager", "chain_hashes", "enable_prefix_caching"):
+        self.kv_tiers = parse_tiers(self.kv_tiers)
+        _check_choice("kv_tier_keys", self.kv_tier_keys, TIER_KEYS)
+        for flag in ("enforce_eager", "chain_hashes", "enable_prefix_caching", "kv_tier_encrypt"):
             check_bool(flag, getattr(self, flag))
         if self.engine_secret is not None:
             self.engine_secret = check_secret(self.engine_secret, "engine_secret")
@@ -241,6 +256,10 @@ class EngineConfig:
                 found.append("selective_strategy='monitor'")
             elif self.selective_k == 2:  # one attacker account tests any guess
                 found.append("selective_k=2")
+        if self.enable_prefix_caching and self.kv_tiers and self.kv_tier_keys == "content":
+            found.append("kv_tier_keys='content'")
+        if self.enable_prefix_caching and self.kv_tiers and not self.kv_tier_encrypt:
+            found.append("kv_tier_encrypt=False")
         if self.enable_prefix_caching and self.max_cached_blocks_per_tenant == UNLIMITED:
             found.append(f"max_cached_blocks_per_tenant={UNLIMITED!r}")
         return found

@@ -41,6 +41,7 @@ from .seams import EngineSeams
 from .sequence import Sequence, SequenceStatus, common_prefix_len, stop_reason
 from .sharing import make_sharing
 from .snapshot import PoolSnapshot, capture
+from .tier_link import attach_tiers
 
 
 class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.py), all off by default
@@ -88,6 +89,7 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
             chain_hashes=c.chain_hashes, verify_hits=c.verify_hits,
             max_cached_per_tenant=c.cache_quota(self.num_blocks))
         self.block_manager.listeners.append(self._on_block_event)
+        self.tiers = attach_tiers(self)  # KV tiers below the pool (kv_tiers=...), or None
         # cache_isolation="selective": the strategy deciding which blocks leave their tenant's domain
         self.sharing = make_sharing(c, self.block_manager, self._secret, self.tenant_key, self._decision)
         if self.sharing is not None:
@@ -108,7 +110,7 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
         self.step_count = 0
         self.logit_trace: list | None = None  # set to [] to record {request_id: logits} per step
         self.stats = dict(requests=0, prompt_tokens=0, cached_tokens=0, generated_tokens=0,
-                          preemptions=0, steps=0, scrub_s=0.0, aborted=0, failed=0)
+                          preemptions=0, steps=0, scrub_s=0.0, aborted=0, failed=0, tier_tokens=0)
 
     # ------------------------------------------------------------------ set-up helpers
     def tenant_key(self, tenant: str | None) -> bytes:
@@ -233,6 +235,7 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
             if seq.num_preemptions == 0:
                 self.stats["prompt_tokens"] += seq.num_prompt_tokens
                 self.stats["cached_tokens"] += seq.num_computed_tokens
+                self.stats["tier_tokens"] += seq.num_tier_blocks * self.block_size  # of those, onloaded
         if batch.empty:
             # Nothing fits even in an empty pool: a preempted sequence outgrew the pool.
             if self.scheduler.waiting and not self.scheduler.running:

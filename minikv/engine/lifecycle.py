@@ -25,6 +25,8 @@ to ``evict``.
     cached/used --ADOPT--> used                   (the same, found at commit: see below)
     cached --EVICT--> free                        (LRU or quota: dropped from the hash table)
     used/cached --PROMOTE/ISOLATE--> same state   (selective sharing: a new key, the same K/V)
+    cached --OFFLOAD--> cached --EVICT--> free    (KV tiers: sealed into a tier, then scrubbed, dropped)
+    free --ONLOAD--> cached --HIT--> used         (KV tiers: a pool miss found in a tier, verified)
 
 ``hit`` is found at admission (``BlockManager.lookup``): the request never computes the block.
 ``adopt`` is found at commit: two requests with one prefix admitted in the same step both compute
@@ -68,6 +70,8 @@ class Transition(StrEnum):
     EVICT = "evict"  # dropped from the hash table onto the free list
     PROMOTE = "promote"  # selective sharing: re-keyed from its writer's domain into the public one
     ISOLATE = "isolate"  # selective sharing: re-keyed from the shared domain into its writer's
+    OFFLOAD = "offload"  # KV tiers: sealed and written to a host tier just before it is evicted
+    ONLOAD = "onload"  # KV tiers: a pool miss found it in a tier; copied into a free block, cached
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,9 @@ LIFECYCLE: dict[Transition, Edge] = {
     # Selective sharing (minikv.engine.sharing) changes a registered block's key, never its K/V:
     Transition.PROMOTE: Edge((U, C), None, "on_promote", "promote", "every later request of every tenant"),
     Transition.ISOLATE: Edge((U, C), None, "on_isolate", "isolate", "its writer's later requests only"),
+    # KV tiers (minikv.engine.kv_tiers): the K/V leave the pool sealed, and come back verified.
+    Transition.OFFLOAD: Edge((C,), C, "on_offload", "offload", "the tier's readers, sealed: MAC + the domain's AEAD key"),
+    Transition.ONLOAD: Edge((F,), C, "on_onload", "onload", "later requests of its domain, as a stored block"),
 }
 del F, U, C
 

@@ -82,6 +82,8 @@ class PrefixIndex:
         for i in range(max_hit):
             self.num_lookups += 1
             bid = self.hash_table.get(self.block_hash(seq, i))
+            if bid is None and self.tier is not None:  # a pool miss may still be a tier hit
+                bid = self._onload(seq, i, hits)
             if bid is None:
                 break
             block = self.blocks[bid]
@@ -135,6 +137,10 @@ class PrefixIndex:
         """Drop a cached block from the hash table onto the free list (transition ``evict``)."""
         block = self.blocks[bid]
         self.cached.pop(bid, None)
+        # An eviction a request caused (LRU, quota) keeps the K/V in the tiers; an operator's reset does not.
+        if seq is not None and self.tier is not None and block.tier_key is not None and self.tier.offload(block):
+            self.emit(Transition.OFFLOAD, [bid], seq)  # then on_offload scrubs the pool's copy
+        block.tier_key = None
         self.emit(Transition.EVICT, [bid], seq)  # listeners still see the hash being dropped
         del self.hash_table[block.hash]
         self._count_registered(block.writer_tenant, -1)

@@ -29,6 +29,8 @@ hook runs on which transition; the engine runs it through :func:`scrub_hook`.
   never reused, and it also covers blocks that were never scrubbed on free.  Never scrub a
   *hit* block (that would destroy shared data another request is about to read), and never
   scrub after the new owner has written it (that would destroy the owner's own K/V).
+* ``on_offload``: a block was sealed into a KV tier (``minikv.engine.kv_tiers``) just before its
+  eviction; both safe scrubbers zero it then, so the pool keeps no plaintext of what left it.
 * ``on_hit``, ``on_store``, ``on_cache``: optional hooks of the other transitions (none of
   minikv's scrubbers has them), so a policy can act anywhere in a block's life.
 
@@ -91,7 +93,10 @@ class ScrubOnFree:
     """Zero a block as soon as its data stops being reachable (evicted, or freed uncached)."""
 
     name, unsafe = "on_free", False
-    hooks: frozenset[str] = frozenset({"on_free"})
+    hooks: frozenset[str] = frozenset({"on_free", "on_offload"})
+
+    def on_offload(self, pool, block_ids: list[int]) -> None:
+        zero_blocks(pool, block_ids)  # the tier holds the (sealed) K/V now: no plaintext copy stays
 
     def on_free(self, pool, block_ids: list[int]) -> None:
         zero_blocks(pool, block_ids)
@@ -104,7 +109,12 @@ class ScrubOnAlloc:
     """Zero a block just before a new owner (without a prefix-cache hit) writes it."""
 
     name, unsafe = "on_alloc", False
-    hooks: frozenset[str] = frozenset({"on_alloc"})
+    hooks: frozenset[str] = frozenset({"on_alloc", "on_offload"})
+
+    def on_offload(self, pool, block_ids: list[int]) -> None:
+        # Offloaded blocks are zeroed at once under both policies: the tier keeps the K/V sealed,
+        # and a plaintext copy left in a free block is what a pool dump would read.
+        zero_blocks(pool, block_ids)
 
     def on_free(self, pool, block_ids: list[int]) -> None:
         pass  # the data may still be hit in the prefix cache; zero it on reuse instead

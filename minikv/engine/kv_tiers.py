@@ -1,0 +1,149 @@
+"""KV tiers: where a block's K/V go when the pool has no room, and where a later miss finds them.
+
+Production engines keep the prefix cache beyond the GPU pool: LMCache, Mooncake and SGLang's
+HiCache move blocks into host memory and into remote stores shared by many instances.  minikv has
+one seam for that, :class:`KVTier`, below the block manager::
+
+    pool (hash table, LRU) --evict--> host tier (this process, bounded, LRU)
+          |                 --store--> redis tier (shared by instances; TTL, per-tenant budget)
+          '<--onload-- the first tier holding the key, on a pool miss
+
+A tier stores opaque *sealed values* under opaque keys: the tier link
+(:mod:`~minikv.engine.tier_link`) seals each block (MAC, per-tenant AEAD:
+:mod:`minikv.security.sealing`) before a tier sees it, so no tier implementation needs to be
+trusted with plaintext or with keys.  ``when`` says when a tier is written: ``"evict"`` (the
+host tier: the pool's LRU evicts into it) or ``"store"`` (Redis: written as soon as a block is
+full, so another instance can hit it while this one still holds it -- LMCache's store-on-prefill).
+
+Tiers are a registry by name (``TIERS``), like hashers, scrubbers and sharing strategies; a
+spec string picks one and its options: ``"host"``, ``"host?mib=64"``,
+``"redis://127.0.0.1:6390/0?ttl=600&budget_mib=64"``.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Protocol
+from urllib.parse import parse_qs, urlsplit
+
+from .checks import show
+
+__all__ = ["KVTier", "HostTier", "TIERS", "TIER_KEYS", "make_tier", "parse_tiers"]
+
+#: ``kv_tier_keys``: "tenant" (the pool's tenant-keyed hash) or UNSAFE "content" (the salt dropped
+#: at the tier boundary: LMCache #4825's ``cache_salt=''``)
+TIER_KEYS = ("tenant", "content")
+
+
+class KVTier(Protocol):
+    """The seam.  Values are bytes (a sealed block); keys are bytes (``sealing.tier_key``)."""
+
+    name: str
+    when: str  # "evict" or "store": which transition writes this tier
+
+    def put(self, key: bytes, value: bytes, tenant_tag: str) -> bool:
+        """Store ``value`` under ``key`` for the tenant named (opaquely) ``tenant_tag``; False
+        when refused (over budget, full, unreachable): a tier is a cache, never required."""
+
+    def get(self, key: bytes) -> bytes | None:
+        """The value under ``key``, or None."""
+
+    def evict(self, key: bytes) -> None:
+        """Drop ``key`` (a value that failed verification is dropped this way)."""
+
+
+class HostTier:
+    """A bounded in-process tier: an LRU of values, ``capacity`` bytes in all.
+
+    Holds sealed (encrypted) values even though it is in-process: a core dump or a debug endpoint
+    of a host tier then leaks nothing either, and a block moves between tiers without re-sealing."""
+
+    name, when = "host", "evict"
+
+    def __init__(self, capacity: int = 256 << 20):
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
+            raise ValueError(f"host tier capacity must be a positive number of bytes, got {show(capacity)}")
+        self.capacity, self.nbytes = capacity, 0
+        self._values: OrderedDict[bytes, bytes] = OrderedDict()
+        self.stats = dict(puts=0, hits=0, misses=0, dropped=0)
+
+    def put(self, key: bytes, value: bytes, tenant_tag: str) -> bool:
+        if len(value) > self.capacity:
+            return False
+        self.evict(key)
+        self._values[key] = value
+        self.nbytes += len(value)
+        self.stats["puts"] += 1
+        while self.nbytes > self.capacity:  # the oldest values go first
+            _, old = self._values.popitem(last=False)
+            self.nbytes -= len(old)
+            self.stats["dropped"] += 1
+        return True
+
+    def get(self, key: bytes) -> bytes | None:
+        value = self._values.get(key)
+        if value is None:
+            self.stats["misses"] += 1
+            return None
+        self._values.move_to_end(key)
+        self.stats["hits"] += 1
+        return value
+
+    def evict(self, key: bytes) -> None:
+        old = self._values.pop(key, None)
+        if old is not None:
+            self.nbytes -= len(old)
+
+    def clear(self) -> None:
+        """Forget everything (a restart of the process, in tests)."""
+        self._values.clear()
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+
+def _host(spec: str, query: dict) -> HostTier:
+    mib = query.pop("mib", "256")
+    try:
+        return HostTier(int(float(mib) * (1 << 20)))
+    except ValueError:
+        raise ValueError(f"kv tier {spec!r}: mib must be a positive number, got {mib!r}") from None
+
+
+def _redis(spec: str, query: dict):
+    from .tier_redis import RedisTier  # the redis client is imported only when asked for
+    return RedisTier.from_spec(spec, query)
+
+
+#: tier name (the spec's scheme) -> factory(spec, options); options left unread are refused
+TIERS = {"host": _host, "redis": _redis}
+
+
+def make_tier(spec: str) -> KVTier:
+    """Build the tier a spec names (see the module doc).  ValueError names a bad spec."""
+    if not isinstance(spec, str) or not spec:
+        raise ValueError(f"a kv tier is a spec string such as 'host' or 'redis://127.0.0.1:6390/0', got {show(spec)}")
+    parts = urlsplit(spec)
+    name = parts.scheme or parts.path
+    if name not in TIERS:
+        raise ValueError(f"unknown kv tier {spec!r}; valid kinds: {', '.join(TIERS)}")
+    query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
+    tier = TIERS[name](spec, query)
+    if query:
+        raise ValueError(f"kv tier {spec!r}: unknown option(s) {', '.join(sorted(query))}")
+    return tier
+
+
+def parse_tiers(specs) -> tuple[str, ...]:
+    """``kv_tiers`` as a tuple of spec strings (checked, not built: building connects)."""
+    if specs is None:
+        return ()
+    if isinstance(specs, str):
+        specs = (specs,)
+    if not isinstance(specs, (list, tuple)):
+        raise TypeError(f"kv_tiers must be a list of tier specs, got {type(specs).__name__} ({show(specs)})")
+    for s in specs:
+        if not isinstance(s, str) or (urlsplit(s).scheme or urlsplit(s).path) not in TIERS:
+            raise ValueError(f"kv_tiers: unknown tier {show(s)}; valid kinds: {', '.join(TIERS)} "
+                             "(e.g. 'host', 'redis://127.0.0.1:6390/0')")
+    return tuple(specs)

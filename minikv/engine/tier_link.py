@@ -1,0 +1,151 @@
+"""The tier link: between the block manager (torch-free bookkeeping) and the KV tiers (sealed bytes).
+
+The block manager decides *when* a block leaves or re-enters the pool; this object does the
+moving.  Three calls, each one a lifecycle transition (:mod:`~minikv.engine.lifecycle`):
+
+* ``on_block_event`` (a block-manager listener): on ``store``, a full block is sealed and written
+  to the ``"store"`` tiers (Redis), so other instances may hit it; its tier key is remembered on
+  the block.  A re-keyed block (selective sharing's ``promote``/``isolate``) forgets its tier key:
+  its stored copy was filed under its old domain, and is never offloaded under the new one.
+* ``offload(block, seq)`` -- the ``offload`` transition, just before an ``evict``: the block is
+  sealed and written to the ``"evict"`` tiers (host).  The lifecycle table then runs the scrub
+  hook ``on_offload``: the pool's plaintext copy is zeroed, as the tier holds the K/V now.
+* ``fetch(seq, i)`` + ``load(block_id, payload)`` -- the ``onload`` transition: on a pool miss the
+  tiers are asked in order; the first value that *verifies* (MAC, decryption: ``Sealer.open``) is
+  copied into a free pool block, which is then registered like a block this engine computed.  A
+  value that fails is dropped from its tier, counted (``stats["refused"]``), logged, never used.
+
+Keys (``tier_keys``): ``"tenant"`` (default) files a block under the hash the pool uses, keyed
+with its tenant's key.  UNSAFE ``"content"`` files it under the same chain *without* any tenant
+key and seals it in one shared domain: LMCache #4825's ``cache_salt=''``; a tenant on another
+instance then hits -- and can time -- what this one's tenants cached, while each pool stays
+tenant-keyed.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ..security.sealing import SealError, Sealer, binding, tier_key
+from .kv_tiers import make_tier
+from .lifecycle import Transition
+
+log = logging.getLogger("minikv.tiers")
+
+
+class TierLink:
+    def __init__(self, config, pool, blocks, hasher, secret: bytes, tiers=None):
+        self.pool, self.pool_blocks, self.hasher, self.mode = pool, blocks, hasher, config.kv_tier_keys
+        self.tiers = list(tiers) if tiers is not None else [make_tier(s) for s in config.kv_tiers]
+        self.sealer = Sealer(secret, encrypt=config.kv_tier_encrypt)
+        self.bs = pool.block_size
+        self.model = str(config.model)
+        self.dtype = str(pool.dtype).removeprefix("torch.")
+        self.geometry = (pool.num_layers, pool.block_size, pool.num_kv_heads, pool.head_dim)
+        self.nbytes = pool.kv_blocks[0][0].nbytes * pool.num_layers  # one block, every layer, K and V
+        self.stats = dict(offloaded=0, stored=0, onloaded=0, refused=0, misses=0, seal_s=0.0, open_s=0.0)
+        self.hits_by_tier = {t.name: 0 for t in self.tiers}
+
+    # ---------------------------------------------------------------- what a block is, in a tier
+    def key_of(self, seq, i: int) -> bytes:
+        """The tier key of ``seq``'s block ``i``: its pool hash (tenant-keyed), or under UNSAFE
+        ``"content"`` the chain of its tokens alone."""
+        if self.mode == "tenant":
+            return tier_key(seq.block_hashes[i])
+        chain = seq.tier_hashes
+        while len(chain) <= i:
+            j = len(chain)
+            chain.append(self.hasher(chain[j - 1] if j else None, seq.block_tokens(j, self.bs), (), None))
+        return tier_key(chain[i])
+
+    def domain_of(self, seq, i: int) -> tuple:
+        """The encryption domain: the block's tenant key (a public block: "public"); one shared
+        domain under ``"content"``, which is what lets another tenant decrypt it."""
+        if self.mode == "content":
+            return ("shared",)
+        dk = seq.domain_key(i, self.bs)
+        return ("domain", dk) if dk is not None else ("public",)
+
+    def _bound(self, key: bytes, tokens) -> bytes:
+        return binding(key, self.model, self.dtype, self.geometry, tokens)
+
+    # ---------------------------------------------------------------- pool -> tiers
+    def _seal_block(self, bid: int, key: bytes, tokens, domain: tuple) -> bytes:
+        kv = self.pool._kv[:, bid]  # [layers, bs, 2, heads, dim]: one block's K and V
+        payload = kv.contiguous().view(torch.uint8).cpu().numpy().tobytes()
+        t0 = time.perf_counter()
+        value = self.sealer.seal(payload, self._bound(key, tokens), domain)
+        self.stats["seal_s"] += time.perf_counter() - t0
+        return value
+
+    def _write(self, block, when: str) -> int:
+        targets = [t for t in self.tiers if t.when == when]
+        if not targets or block.tier_key is None:
+            return 0
+        key, tokens, domain = block.tier_key
+        value = self._seal_block(block.block_id, key, tokens, domain)
+        tag = self.sealer.tenant_tag(block.writer_tenant)
+        return sum(t.put(key, value, tag) for t in targets)
+
+    def on_block_event(self, transition, ids: list[int], seq) -> None:
+        if transition == Transition.STORE and seq is not None:
+            pos = {bid: i for i, bid in enumerate(seq.block_table)}
+            for bid in ids:
+                block, i = self.pool_blocks[bid], pos[bid]
+                block.tier_key = (self.key_of(seq, i), seq.block_tokens(i, self.bs), self.domain_of(seq, i))
+                self.stats["stored"] += bool(self._write(block, "store"))
+        elif transition in (Transition.PROMOTE, Transition.ISOLATE):
+            for bid in ids:
+                self.pool_blocks[bid].tier_key = None
+
+    def offload(self, block) -> bool:
+        """Write ``block`` to the evict-into tiers (host) before the pool drops it."""
+        done = bool(self._write(block, "evict"))
+        self.stats["offloaded"] += done
+        return done
+
+    # ---------------------------------------------------------------- tiers -> pool
+    def fetch(self, seq, i: int):
+        """A verified payload for ``seq``'s block ``i`` from the first tier that has one, or None."""
+        key = self.key_of(seq, i)
+        tokens, domain = seq.block_tokens(i, self.bs), self.domain_of(seq, i)
+        bound = self._bound(key, tokens)
+        for tier in self.tiers:
+            value = tier.get(key)
+            if value is None:
+                continue
+            t0 = time.perf_counter()
+            try:
+                payload = self.sealer.open(value, bound, domain)
+                if len(payload) != self.nbytes:
+                    raise SealError(f"payload of {len(payload)} bytes, expected {self.nbytes}")
+            except SealError as exc:
+                self.stats["refused"] += 1
+                log.warning("kv tier %s: a value failed verification and was dropped: %s", tier.name, exc)
+                tier.evict(key)
+                continue
+            finally:
+                self.stats["open_s"] += time.perf_counter() - t0
+            self.hits_by_tier[tier.name] += 1
+            return payload, (key, tokens, domain), tier.name
+        self.stats["misses"] += 1
+        return None
+
+    def load(self, bid: int, payload: bytes) -> None:
+        """Copy a verified payload into pool block ``bid`` (every slot: nothing stale survives)."""
+        src = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.pool.dtype)
+        self.pool._kv[:, bid].copy_(src.view(self.pool._kv[:, bid].shape))
+        self.stats["onloaded"] += 1
+
+
+def attach_tiers(engine) -> "TierLink | None":
+    """Give ``engine``'s block manager the tiers its config names (None: no tier, today's engine)."""
+    c, bm = engine.config, engine.block_manager
+    if not c.kv_tiers:
+        return None
+    link = TierLink(c, engine.pool, bm.blocks, bm.hasher, engine._secret)
+    bm.tier = link
+    bm.listeners.append(link.on_block_event)
+    return link

@@ -1,0 +1,228 @@
+"""KV tiers without Redis: the host tier below the pool, the seam, the sealing, the lifecycle hooks.
+
+A pool of 12 four-token blocks is small on purpose: a second tenant's prompt evicts the first
+tenant's blocks, so they go through ``offload`` into the host tier and come back by ``onload``.
+The Redis tier and two instances sharing it are tests/test_kv_tiers_redis.py.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+
+import pytest
+
+from minikv import LLM, SamplingParams, UnsafeSettingWarning
+from minikv.engine.args import add_engine_arguments, engine_kwargs_from_args
+from minikv.engine.kv_tiers import HostTier, make_tier
+from minikv.engine.lifecycle import LIFECYCLE, Transition
+from minikv.security.scrub import ScrubOnAlloc
+from minikv.security.sealing import SealError, Sealer, binding, tier_key
+
+P = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+SECRET = b"k" * 32
+VICTIM = list(range(10, 30))    # 20 tokens: 4 full blocks of 4 can be hit (the last token is computed)
+FLOOD = list(range(100, 144))   # 44 tokens (+3 generated): all 12 blocks, so every VICTIM block goes
+
+
+def tiered(**kw) -> LLM:
+    base = dict(device="cpu", dtype="float32", num_blocks=12, block_size=4, enable_prefix_caching=True,
+                kv_tiers=["host"], engine_secret=SECRET, max_cached_blocks_per_tenant=12)
+    return LLM("tiny-random", **(base | kw))
+
+
+def tokens(out) -> list[int]:
+    return out.outputs[0].token_ids
+
+
+def evict_victim(llm, tenant="a"):
+    first = llm.generate([VICTIM], P, tenant=tenant)[0]
+    llm.generate([FLOOD], P, tenant="flood")
+    assert llm.engine.tiers.stats["offloaded"] >= 4, llm.engine.tiers.stats
+    return first
+
+
+def test_no_tier_by_default_is_todays_engine():
+    llm = LLM("tiny-random", device="cpu", num_blocks=12, block_size=4, enable_prefix_caching=True,
+              max_cached_blocks_per_tenant=12)
+    assert llm.engine.tiers is None and llm.engine.block_manager.tier is None
+    llm.generate([VICTIM], P, tenant="a")
+    llm.generate([FLOOD], P, tenant="flood")
+    assert llm.generate([VICTIM], P, tenant="a")[0].num_cached_tokens == 0  # evicted is gone
+    assert llm.engine.stats["tier_tokens"] == 0
+
+
+def test_an_evicted_prefix_comes_back_from_the_host_tier_with_the_same_output():
+    llm = tiered()
+    first = evict_victim(llm)
+    again = llm.generate([VICTIM], P, tenant="a")[0]
+    assert again.num_cached_tokens == 16  # 4 blocks, all from the tier
+    assert llm.engine.stats["tier_tokens"] == 16 and llm.engine.tiers.stats["onloaded"] == 4
+    assert tokens(again) == tokens(first)  # the onloaded K/V are the K/V that were computed
+    llm.engine.check_invariants()
+
+
+@pytest.mark.parametrize("writer,reader", [("a", "b"), ("b", "a")])
+def test_tier_hits_stay_within_the_tenant_both_directions(writer, reader):
+    llm = tiered()
+    evict_victim(llm, writer)
+    other = llm.generate([VICTIM], P, tenant=reader)[0]
+    assert other.num_cached_tokens == 0 and llm.engine.tiers.stats["onloaded"] == 0
+    llm.generate([FLOOD], P, tenant="flood")
+    assert llm.generate([VICTIM], P, tenant=writer)[0].num_cached_tokens == 16  # control: the writer hits
+
+
+class Spy(ScrubOnAlloc):
+    def __init__(self):
+        self.calls = []
+
+    def on_offload(self, pool, ids):
+        super().on_offload(pool, ids)
+        assert float(pool.k_cache[:, ids].abs().sum()) == 0.0  # zeroed right after the tier got it
+        self.calls.append(("on_offload", tuple(ids)))
+
+    def on_onload(self, pool, ids):
+        assert float(pool.k_cache[:, ids].abs().sum()) > 0.0  # the tier's K/V are in place
+        self.calls.append(("on_onload", tuple(ids)))
+
+
+def test_offload_and_onload_run_their_hooks_and_offload_scrubs():
+    spy = Spy()
+    llm = tiered(scrubber=spy)
+    seen = []
+    llm.engine.block_manager.listeners.append(lambda t, ids, seq: seen.append((t, tuple(ids))))
+    evict_victim(llm)
+    llm.generate([VICTIM], P, tenant="a")
+    tiered_events = [(LIFECYCLE[t].hook, ids) for t, ids in seen if t in (Transition.OFFLOAD, Transition.ONLOAD)]
+    assert {h for h, _ in tiered_events} == {"on_offload", "on_onload"}
+    assert tiered_events == spy.calls
+
+
+def test_the_trail_counts_tier_hits_apart_from_pool_hits(tmp_path):
+    llm = tiered(audit_log=str(tmp_path / "t.jsonl"))
+    evict_victim(llm)
+    llm.generate([VICTIM], P, tenant="a")
+    llm.engine.audit.close()
+    last = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()][-1]
+    assert last["blocks"]["hit"] == 4 and last["blocks"]["tier_hit"] == llm.engine.tiers.stats["onloaded"] == 4
+    assert last["num_cached_tokens"] == 16
+
+
+def test_a_tampered_value_is_refused_counted_logged_and_recomputed(caplog):
+    llm = tiered()
+    first = evict_victim(llm)
+    host: HostTier = llm.engine.tiers.tiers[0]
+    tampered = {}
+    for key, value in list(host._values.items()):
+        flipped = bytearray(value)
+        flipped[-1] ^= 1  # one bit of the ciphertext
+        host._values[key] = tampered[key] = bytes(flipped)
+    with caplog.at_level(logging.WARNING, logger="minikv.tiers"):
+        again = llm.generate([VICTIM], P, tenant="a")[0]
+    assert llm.engine.tiers.stats["onloaded"] == 0 and llm.engine.tiers.stats["refused"] >= 1
+    assert "failed verification" in caplog.text
+    dropped = [k for k, v in tampered.items() if host._values.get(k) != v]
+    assert dropped  # a failing value is dropped from its tier (the lookup stops at the first one)
+    assert tokens(again) == tokens(first)  # recomputed, never served from the bad value
+
+
+# ---------------------------------------------------------------- the sealing, unit by unit
+GEOM = (2, 4, 2, 16)
+
+
+def _sealed(secret=SECRET, key=b"k1", model="tiny-random", dtype="float32", geom=GEOM, toks=(1, 2, 3, 4)):
+    s = Sealer(secret)
+    return s, s.seal(b"\x01" * 64, binding(tier_key(key), model, dtype, geom, toks), ("domain", b"t"))
+
+
+@pytest.mark.parametrize("what,bound", [
+    ("swapped key", binding(tier_key(b"k2"), "tiny-random", "float32", GEOM, (1, 2, 3, 4))),
+    ("other model", binding(tier_key(b"k1"), "smollm2-135m-instruct", "float32", GEOM, (1, 2, 3, 4))),
+    ("other dtype", binding(tier_key(b"k1"), "tiny-random", "bfloat16", GEOM, (1, 2, 3, 4))),
+    ("other geometry", binding(tier_key(b"k1"), "tiny-random", "float32", (2, 8, 2, 16), (1, 2, 3, 4))),
+    ("other tokens", binding(tier_key(b"k1"), "tiny-random", "float32", GEOM, (1, 2, 3, 5))),
+])
+def test_a_value_opens_only_for_what_it_was_sealed_for(what, bound):
+    s, value = _sealed()
+    assert s.open(value, binding(tier_key(b"k1"), "tiny-random", "float32", GEOM, (1, 2, 3, 4)),
+                  ("domain", b"t")) == b"\x01" * 64
+    with pytest.raises(SealError):
+        s.open(value, bound, ("domain", b"t"))
+
+
+def test_an_outside_write_a_bit_flip_and_another_tenant_are_refused():
+    s, value = _sealed()
+    bound = binding(tier_key(b"k1"), "tiny-random", "float32", GEOM, (1, 2, 3, 4))
+    _, foreign = _sealed(secret=b"o" * 32)  # sealed by someone without this operator's secret
+    for bad in (foreign, b"garbage", value[:-1] + bytes([value[-1] ^ 0x80])):
+        with pytest.raises(SealError):
+            s.open(bad, bound, ("domain", b"t"))
+    with pytest.raises(SealError, match="decryption"):  # the MAC holds, the tenant's AEAD key does not
+        s.open(value, bound, ("domain", b"someone else"))
+    assert b"\x01" * 16 not in value  # ciphertext: no run of the plaintext survives
+
+
+def test_tier_keys_hold_no_tokens():
+    with pytest.raises(TypeError):
+        tier_key((1, 2, 3))
+    assert tier_key(b"\xab" * 4) == b"minikv/kv/v1/abababab"
+
+
+# ---------------------------------------------------------------- settings at the door
+@pytest.mark.parametrize("kw,match", [
+    (dict(kv_tiers=["nosuch"]), "nosuch"),
+    (dict(kv_tiers=["host?mib=lots"]), "lots"),
+    (dict(kv_tiers=["host?colour=red"]), "colour"),
+    (dict(kv_tier_keys="salted"), "salted"),
+])
+def test_bad_tier_settings_are_refused_naming_the_value(kw, match):
+    with pytest.raises(ValueError, match=match):
+        tiered(**kw)
+
+
+def test_bad_settings_leave_a_running_engine_serving():
+    llm = tiered()
+    with pytest.raises(ValueError, match="nosuch"):
+        llm.fork(kv_tiers=["nosuch"])
+    assert tokens(llm.generate([VICTIM], P, tenant="a")[0])
+
+
+def test_kv_tiers_must_be_a_list():
+    with pytest.raises(TypeError, match="kv_tiers"):
+        tiered(kv_tiers=5)
+
+
+@pytest.mark.parametrize("kw,name", [(dict(kv_tier_keys="content"), "kv_tier_keys='content'"),
+                                     (dict(kv_tier_encrypt=False), "kv_tier_encrypt=False")])
+def test_the_unsafe_tier_settings_warn(kw, name):
+    with pytest.warns(UnsafeSettingWarning, match=name):
+        tiered(**kw)
+
+
+def test_an_unreachable_redis_is_a_miss_not_an_error():
+    pytest.importorskip("redis")
+    llm = tiered(kv_tiers=["host", "redis://127.0.0.1:1/0"])  # port 1: nothing listens there
+    first = evict_victim(llm)
+    assert tokens(llm.generate([VICTIM], P, tenant="a")[0]) == tokens(first)
+    assert llm.engine.tiers.tiers[1].stats["errors"] > 0
+
+
+def test_serve_flags_reach_the_config():
+    import argparse
+    p = argparse.ArgumentParser()
+    add_engine_arguments(p)
+    args = p.parse_args(["--model", "tiny-random", "--kv-tier", "host", "--kv-tier", "redis://127.0.0.1:6390/0",
+                         "--kv-tier-keys", "content", "--no-kv-tier-encrypt"])
+    kw = engine_kwargs_from_args(args)
+    assert kw["kv_tiers"] == ("host", "redis://127.0.0.1:6390/0")
+    assert kw["kv_tier_keys"] == "content" and kw["kv_tier_encrypt"] is False
+    assert "kv_tiers" not in engine_kwargs_from_args(p.parse_args(["--model", "m"]))
+
+
+def test_make_tier_registry():
+    assert isinstance(make_tier("host?mib=1"), HostTier) and make_tier("host?mib=1").capacity == 1 << 20
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        h = HostTier(100)
+        assert h.put(b"a", b"x" * 60, "t") and h.put(b"b", b"y" * 60, "t")
+        assert h.get(b"a") is None and h.get(b"b") == b"y" * 60 and h.nbytes == 60  # bounded: the oldest went

@@ -1,0 +1,154 @@
+"""The Redis tier on a real Redis: two engines sharing it, its isolation, integrity and secrecy.
+
+"Instance A" and "instance B" are two engines (a fork: its own pool, scheduler, tier objects and
+Redis connection, the same weights) sharing one Redis database and one operator secret, as two
+``minikv serve --kv-tier redis://... --engine-secret-file F`` processes would
+(tests/test_kv_tiers_serve.py runs exactly that).  Every test starts from an empty database.
+"""
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+
+from minikv import LLM, SamplingParams, UnsafeSettingWarning
+from minikv.attacks.kv_inversion import layer0_kv_table
+from minikv.attacks.tier_dump import dump_store, tokens_in_dump
+
+pytestmark = pytest.mark.redis
+
+P = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+SECRET = b"s" * 32
+VICTIM = list(range(10, 30))  # 20 byte tokens: 5 full blocks are stored; 4 can be hit (the last token is computed)
+DB = 1  # this module's Redis database (test_kv_tiers_serve.py uses another)
+
+
+@pytest.fixture
+def store(redis_base):
+    from redis_helpers import fresh_db
+    client = fresh_db(redis_base, DB)
+    yield f"{redis_base}/{DB}", client
+    client.flushdb()
+
+
+def instance(url, quiet=True, **kw) -> LLM:
+    base = dict(device="cpu", dtype="float32", num_blocks=32, block_size=4, enable_prefix_caching=True,
+                kv_tiers=[url], engine_secret=SECRET)
+    with warnings.catch_warnings():
+        if quiet:  # the UNSAFE cases are asserted where set
+            warnings.simplefilter("ignore", UnsafeSettingWarning)
+        return LLM("tiny-random", **(base | kw))
+
+
+def pair(url, **kw):
+    a = instance(url, **kw)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnsafeSettingWarning)
+        return a, a.fork()
+
+
+def send(llm, tenant, prompt=VICTIM):
+    return llm.generate([prompt], P, tenant=tenant)[0]
+
+
+@pytest.mark.parametrize("writer,other", [("alice", "bob"), ("bob", "alice")])
+def test_a_tenant_hits_its_own_blocks_on_another_instance_and_nobody_elses(store, writer, other):
+    url, _ = store
+    a, b = pair(url)
+    first = send(a, writer)
+    assert a.engine.tiers.tiers[0].stats["puts"] == 5  # stored as soon as full (the Redis tier's "store")
+    stranger = send(b, other)
+    assert stranger.num_cached_tokens == 0 and b.engine.tiers.stats["onloaded"] == 0
+    same = send(b, writer)  # the same-tenant control: positive across instances
+    assert same.num_cached_tokens == 16 and b.engine.stats["tier_tokens"] == 16
+    assert same.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def test_unsafe_content_keys_leak_across_instances_and_tenants(store):
+    url, _ = store
+    with pytest.warns(UnsafeSettingWarning, match="kv_tier_keys='content'"):
+        instance(url, quiet=False, kv_tier_keys="content")
+    a, b = pair(url, kv_tier_keys="content")
+    send(a, "alice")
+    leaked = send(b, "mallory")  # B's pool is tenant-keyed; the shared store is not
+    assert leaked.num_cached_tokens == 16 and b.engine.tiers.stats["onloaded"] == 4
+    bob_keyed = b.engine.block_manager.hash_table  # mallory's blocks in B's pool: under mallory's key
+    assert not set(bob_keyed) & set(a.engine.block_manager.hash_table)
+    assert send(a, "mallory").num_cached_tokens == 16  # and the other direction: A serves B's copy too
+
+
+def _keys(client):
+    return sorted(k for k in client.keys(b"minikv/kv/v1/*"))
+
+
+@pytest.mark.parametrize("encrypt", [True, False], ids=["sealed", "cleartext"])  # cleartext: the MAC alone
+@pytest.mark.parametrize("attack", ["outside write", "bit flip", "swap", "other model", "other dtype"])
+def test_a_bad_value_in_redis_is_refused_and_recomputed(store, attack, encrypt):
+    url, client = store
+    a, b = pair(url, kv_tier_encrypt=encrypt)
+    reference = send(a, "alice").outputs[0].token_ids
+    keys = _keys(client)
+    assert len(keys) == 5
+    values = [client.get(k) for k in keys]  # every value is hit, so block 0's is bad whichever it is
+    if attack == "outside write":  # someone with write access but without the operator secret
+        for k in keys:
+            client.set(k, b"MKV1" + bytes([encrypt]) + bytes(range(256)) * 8)
+    elif attack == "bit flip":
+        for k, v in zip(keys, values):
+            v = bytearray(v)
+            v[len(v) // 2] ^= 0x10
+            client.set(k, bytes(v))
+    elif attack == "swap":  # genuine values, each under another block's key
+        for k, v in zip(keys, values[1:] + values[:1]):
+            client.set(k, v)
+    elif attack == "other model":  # an engine of another model writes under the same key
+        client.flushdb()
+        other = a.fork()  # same geometry and dtype; only the model identity it seals with differs
+        other.engine.tiers.model = "another-model"
+        send(other, "alice")
+    else:  # a bfloat16 instance of the same model shares the store and the secret
+        client.flushdb()
+        send(instance(url, dtype="bfloat16", kv_tier_encrypt=encrypt), "alice")
+    assert len(_keys(client)) == 5
+    out = send(b, "alice")
+    assert b.engine.tiers.stats["refused"] == 1 and b.engine.tiers.stats["onloaded"] == 0
+    assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == reference
+
+
+def test_a_dump_of_redis_holds_no_kv_the_inversion_can_read(store):
+    url, client = store
+    a = instance(url)
+    table = layer0_kv_table(a.engine.model)
+    geometry = a.engine.tiers.geometry
+    send(a, "alice")
+    sealed = dump_store(client, b"minikv/kv/*")
+    assert len(sealed) == 5 and tokens_in_dump(sealed, geometry, a.engine.pool.dtype, table) == set()
+    client.flushdb()
+    with pytest.warns(UnsafeSettingWarning, match="kv_tier_encrypt=False"):
+        clear = instance(url, quiet=False, kv_tier_encrypt=False)
+    send(clear, "alice")
+    recovered = tokens_in_dump(dump_store(client, b"minikv/kv/*"), geometry, clear.engine.pool.dtype, table)
+    assert recovered == set(VICTIM)  # every prompt token, read off the dump
+
+
+def test_keys_name_no_tokens_or_tenants_and_values_expire(store):
+    url, client = store
+    a = instance(url + "?ttl=120")
+    send(a, "alice")
+    keys = client.keys(b"*")
+    kv = [k for k in keys if k.startswith(b"minikv/kv/v1/")]
+    assert len(kv) == 5 and all(re.fullmatch(rb"minikv/kv/v1/[0-9a-f]{64}", k) for k in kv)
+    assert not any(b"alice" in k for k in keys)  # the budget counter is under an opaque tag
+    assert all(0 < client.ttl(k) <= 120 for k in keys)
+
+
+def test_the_per_tenant_byte_budget_caps_one_tenant_not_the_others(store):
+    url, client = store
+    value = 5 + 32 + 12 + 2 * 4 * 2 * 2 * 16 * 4 + 16  # header, MAC, nonce, one block, GCM tag
+    a = instance(url + f"?budget_mib={2.5 * value / 2**20}")
+    send(a, "alice")  # 5 blocks; the budget holds 2
+    redis_tier = a.engine.tiers.tiers[0]
+    assert redis_tier.stats["puts"] == 2 and redis_tier.stats["refused_budget"] == 3
+    send(a, "bob", list(range(40, 60)))
+    assert redis_tier.stats["puts"] == 4  # bob's budget is his own

@@ -1,0 +1,146 @@
+"""Two ``minikv serve`` processes sharing one real Redis: the salt-drop leak across instances, and its fix.
+
+Each setting runs instance A and instance B as separate processes: same model, same operator
+secret file, same Redis database, each with its own tenant-keyed pool.  Under UNSAFE
+``--kv-tier-keys content`` (LMCache #4825's ``cache_salt=''``) a tenant on B
+
+* is served from blocks another tenant cached through A: ``minikv audit isolation`` pointed at B
+  (``--prime-url`` A) fails, in both directions;
+* recovers a PIN another tenant sent to A with the count oracle of lesson 04 (``cached_tokens``),
+  two digits per block, at most 100 probes a block.
+
+Under the default ``--kv-tier-keys tenant`` both pass/fail the other way, and the same-tenant
+control -- tenant alice on B hits what alice cached through A -- is positive.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from minikv.audit.isolation import FAIL, PASS
+from minikv.cli import main
+
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
+
+KEYS = {"sk-alice": "alice", "sk-bob": "bob", "sk-mallory": "mallory"}
+DB = 2
+MODEL: list[str] = []  # the served model id (the --model path), set by the fleet fixture
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_serve(tiny_path, tmp, url, keys_mode):
+    port = free_port()
+    log = open(tmp / f"serve-{port}.log", "wb")
+    cmd = [sys.executable, "-m", "minikv", "serve", "--model", str(tiny_path), "--port", str(port),
+           "--api-keys", str(tmp / "keys.json"), "--engine-secret-file", str(tmp / "secret"),
+           "--enable-prefix-caching", "--report-cached-tokens", "--block-size", "4", "--num-blocks", "512",
+           "--kv-tier", url, "--kv-tier-keys", keys_mode, "--requests-per-s", "0", "--no-access-log",
+           "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                return proc, f"{base}/v1"
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError((tmp / f"serve-{port}.log").read_text()[-2000:])
+
+
+@pytest.fixture(scope="module", params=["content", "tenant"])
+def fleet(request, tiny_path, redis_base, tmp_path_factory):
+    from redis_helpers import fresh_db
+    tmp = tmp_path_factory.mktemp(f"fleet-{request.param}")
+    MODEL[:] = [str(tiny_path)]
+    (tmp / "keys.json").write_text(json.dumps(KEYS))
+    (tmp / "secret").write_bytes(b"fleet-operator-secret-0123456789")
+    client = fresh_db(redis_base, DB)
+    url = f"{redis_base}/{DB}"
+    procs = []
+    try:
+        a, url_a = start_serve(tiny_path, tmp, url, request.param)
+        procs.append(a)
+        b, url_b = start_serve(tiny_path, tmp, url, request.param)
+        procs.append(b)
+        yield request.param, url_a, url_b, tmp
+    finally:
+        for p in procs:  # by PID, each one
+            p.terminate()
+            p.wait(timeout=30)
+        client.flushdb()
+
+
+@pytest.mark.parametrize("direction", ["A->B", "B->A"])
+def test_audit_isolation_across_two_instances(fleet, direction, capsys):
+    mode, url_a, url_b, tmp = fleet
+    prime, target = (url_a, url_b) if direction == "A->B" else (url_b, url_a)
+    rc = main(["audit", "isolation", "--base-url", target, "--prime-url", prime,
+               "--api-keys", str(tmp / "keys.json"), "--rounds", "1", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["same_tenant_cached_tokens"] > 0  # the control: a tenant's blocks cross instances
+    if mode == "content":  # UNSAFE: the salt dropped at the tier
+        assert rc == 2 and report["verdict"] == FAIL and report["cross_tenant_cached_tokens"] > 0
+    else:
+        assert rc == 0 and report["verdict"] == PASS and report["cross_tenant_cached_tokens"] == 0
+
+
+def _cached(http, url, key, ids, model=None) -> int:
+    r = http.post(f"{url}/completions", json={"model": model or MODEL[0], "prompt": ids, "max_tokens": 1, "temperature": 0},
+                  headers={"Authorization": f"Bearer {key}"})
+    r.raise_for_status()
+    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def count_oracle(http, url, key, prefix, suffix, digits, n_secret, bs=4):
+    """Recover ``n_secret`` ids after ``prefix`` (which ends 2 ids into a block), 2 per block, from
+    ``cached_tokens``; returns (recovered or None, probes)."""
+    found, probes = [], 0
+    while len(found) < n_secret:
+        done = len(prefix) + len(found)
+        need = bs - done % bs  # ids that complete the block
+        tail = suffix[:max(0, need - (n_secret - len(found)))] if need > n_secret - len(found) else []
+        width = need - len(tail)
+        hit = None
+        for guess in ([a, b] for a in digits for b in digits) if width == 2 else ([a] for a in digits):
+            ids = prefix + found + guess + tail
+            probes += 1
+            if _cached(http, url, key, ids + [digits[0]] * bs) >= len(ids):  # the whole block hit
+                hit = guess
+                break
+        if hit is None:
+            return None, probes
+        found += hit
+    return found, probes
+
+
+def test_count_oracle_on_B_recovers_a_pin_sent_to_A_only_under_unsafe_keys(fleet, tiny_path):
+    from transformers import AutoTokenizer
+    mode, url_a, url_b, _ = fleet
+    tok = AutoTokenizer.from_pretrained(tiny_path)
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    digits = [enc(str(d))[0] for d in range(10)]
+    prefix, pin, suffix = enc("Bob's card PIN: "), enc("4719"), enc(". Thank you, operator.")
+    prefix = enc("xy")[: (2 - len(prefix)) % 4] + prefix  # 2 ids into a block: the PIN spans 2 blocks
+    with httpx.Client(timeout=60) as http:
+        _cached(http, url_a, "sk-bob", prefix + pin + suffix)  # the victim, on instance A
+        got, probes = count_oracle(http, url_b, "sk-mallory", prefix, suffix, digits, len(pin))
+    print(f"\n[{mode}] recovered {got} in {probes} probes ({probes / len(pin):.0f} per token)")
+    if mode == "content":
+        assert got == pin and probes <= 200
+    else:
+        assert got is None

@@ -149,3 +149,28 @@ def test_a_prefaulted_pool_keeps_its_blocks():
     assert pool.prefault() in ("madvise", "touch")
     assert torch.equal(pool.k_cache, k) and torch.equal(pool.v_cache, v)
     assert int(torch.count_nonzero(pool._kv[:, pool.pad_block])) == 0  # the pad block still zero
+
+
+TRIM_CODE = r"""
+import json, sys, torch
+from minikv.engine import host_memory
+def rss_mib():
+    with open("/proc/self/statm") as fh:
+        return int(fh.read().split()[1]) * 4096 >> 20
+assert host_memory.keep_freed_memory()
+t = torch.empty(256 * 256 * 1024, dtype=torch.float32)   # 256 MiB from the heap (M_MMAP_MAX = 0)
+t.fill_(1.0)
+small = torch.ones(16)                                   # allocated above it: the heap's top is not free
+del t
+kept = rss_mib()
+trimmed = host_memory.give_back_freed_memory()
+print(json.dumps({"kept": kept, "after": rss_mib(), "trimmed": trimmed}))
+"""
+
+
+def test_freed_memory_can_be_given_back_between_jobs():
+    out = subprocess.run([sys.executable, "-c", TRIM_CODE], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["trimmed"] is True
+    assert got["kept"] - got["after"] > 200, got   # the freed 256 MiB leave the process's resident set

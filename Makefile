@@ -17,7 +17,7 @@
 #                 installed without pins, frozen); review the diff, then `make test`
 # Installs are pinned: .venv gets exactly the versions in constraints.txt, and is
 # re-installed when pyproject.toml or constraints.txt changes.
-# Knobs: PYTHON (base interpreter), PORT, PYTEST_ARGS, TEST_WORKERS (pytest processes, default 2), GPU_CHECK_ARGS (e.g. --report DIR), MINIKV_HOME (model cache),
+# Knobs: PYTHON (base interpreter), PORT, PYTEST_ARGS, TEST_WORKERS (pytest processes, default 0: one), GPU_CHECK_ARGS (e.g. --report DIR), MINIKV_HOME (model cache),
 #        MINIKV_TORCH=system (reuse the base python's torch), see scripts/bootstrap.py.
 
 PYTHON ?= python3
@@ -89,9 +89,10 @@ redis:
 redis-stop:
 	@$(REDIS_SERVER) stop
 
-# pytest in TEST_WORKERS processes (pytest-xdist; 0 = one process), a test file per worker at a time:
-# the suite waits on servers and subprocesses much of the time, so two workers fit two cores.
-TEST_WORKERS ?= 2
+# TEST_WORKERS=N runs pytest in N processes (pytest-xdist), a test file per worker at a time; the
+# default 0 is one process.  Measured on the 2-core machine, a learner's clone: 2 workers took pytest
+# to 13 min 14 s but the process tree to 15.9 GB resident, too much beside CI's vLLM; see docs/INSTALL.md.
+TEST_WORKERS ?= 0
 test-py: model chromium
 	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile tests $(PYTEST_ARGS)
 

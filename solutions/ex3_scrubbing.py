@@ -107,6 +107,13 @@ def scrub_action(transition: Transition, seq) -> str:
         # stored block, a block released INTO the cache and a re-keyed block all hold data that a
         # reader is meant to see.  (The duplicate an adoption lets go of leaves through FREE.)
         return KEEP
+    if transition is Transition.OFFLOAD:
+        # KV tiers: the block was just sealed into a tier and is about to be evicted; the tier holds
+        # the only copy readers need, so the pool's plaintext dies now (as both safe scrubbers do).
+        return ZERO
+    if transition is Transition.ONLOAD:
+        # KV tiers: verified K/V was just copied INTO this block for later hits: stored data, keep it.
+        return KEEP
     raise ValueError(f"no scrub decision for transition {transition!r}")  # a new row: decide it first
     # END SOLUTION
 

@@ -33,7 +33,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from vllm_server import alive, stop_pid  # noqa: E402 -- one way to check and stop a server by its PID
+from vllm_server import alive, stop_pid, stop_recorded  # noqa: E402 -- one way to check and stop a server by its PID
 STATE_DIR = ROOT / "out" / "redis"
 DEFAULT_PORT = 6390
 INSTALL = "apt-get install -y redis-server"
@@ -108,17 +108,7 @@ def start(args: argparse.Namespace) -> int:
 
 def stop(args: argparse.Namespace) -> int:
     state_file, pid_file, _ = files(args.port)
-    try:
-        pid = int(pid_file.read_text().strip())
-    except (OSError, ValueError):
-        say("not running (no PID file)")
-        return 0
-    if alive(pid):
-        stop_pid(pid)
-        say(f"stopped pid {pid}")
-    pid_file.unlink(missing_ok=True)
-    state_file.unlink(missing_ok=True)
-    return 0
+    return stop_recorded(state_file, pid_file, say)
 
 
 def status(args: argparse.Namespace) -> int:

@@ -159,8 +159,9 @@ def stop_pid(pid: int, grace: float = 30.0) -> None:
             time.sleep(0.2)
 
 
-def stop(args: argparse.Namespace) -> int:
-    state_file, pid_file, _ = files(args.port)
+def stop_recorded(state_file: Path, pid_file: Path, say) -> int:
+    """Stop the server whose PID ``pid_file`` records (if it still runs), then forget it: both
+    files go.  ``say`` prints in the caller's voice.  Shared by every server helper in scripts/."""
     try:
         pid = int(pid_file.read_text().strip())
     except (OSError, ValueError):
@@ -172,6 +173,11 @@ def stop(args: argparse.Namespace) -> int:
     pid_file.unlink(missing_ok=True)
     state_file.unlink(missing_ok=True)
     return 0
+
+
+def stop(args: argparse.Namespace) -> int:
+    state_file, pid_file, _ = files(args.port)
+    return stop_recorded(state_file, pid_file, say)
 
 
 def status(args: argparse.Namespace) -> int:

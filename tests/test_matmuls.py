@@ -20,6 +20,9 @@ from minikv.engine.matmuls import DenseMatmuls, PackedMatmuls, matmuls_for
 from tests.engine_helpers import assert_traces_close
 
 needs_packing = pytest.mark.skipif(not matmuls._packing_available(), reason="this torch has no oneDNN packing ops")
+BF16_PACKS = matmuls._packing_available(torch.bfloat16)
+needs_bf16_packing = pytest.mark.skipif(not BF16_PACKS, reason="oneDNN has no bf16 kernels on this CPU "
+                                        "(needs AVX-512 BW/VL/DQ, AVX-NE-CONVERT or AMX)")
 BF16_TOL, FP32_TOL = 0.08, 1e-4
 
 
@@ -27,7 +30,7 @@ def _run(dtype: str, packed: bool, monkeypatch):
     """Greedy tokens and every sampled row's logits of a mixed batch (prefills, then decodes)."""
     with monkeypatch.context() as m:
         if not packed:
-            m.setattr(matmuls, "_packing_available", lambda: False)
+            m.setattr(matmuls, "_packing_available", lambda *dtype: False)
         llm = LLM("tiny-random", device="cpu", dtype=dtype, attention_backend="fused", num_blocks=64)
         llm.engine.model._packed = llm.engine.model._packed_head = None  # each run packs (or not) anew
         rng = random.Random(5)
@@ -38,7 +41,7 @@ def _run(dtype: str, packed: bool, monkeypatch):
 
 
 @needs_packing
-@pytest.mark.parametrize("dtype,tol", [("float32", FP32_TOL), ("bfloat16", BF16_TOL)])
+@pytest.mark.parametrize("dtype,tol", [("float32", FP32_TOL), pytest.param("bfloat16", BF16_TOL, marks=needs_bf16_packing)])
 def test_packed_and_dense_matmuls_agree(dtype, tol, monkeypatch):
     tokens_p, trace_p = _run(dtype, True, monkeypatch)
     tokens_d, trace_d = _run(dtype, False, monkeypatch)
@@ -54,13 +57,30 @@ def test_which_steps_pack():
     bf16 = LLM("tiny-random", device="cpu", dtype="bfloat16").engine.model
     assert isinstance(matmuls_for(fp32, exact=True), DenseMatmuls)  # fp32 prefill: transformers' rounding
     assert isinstance(matmuls_for(fp32, exact=False), PackedMatmuls)  # fp32 decode-only
+    if not BF16_PACKS:  # an AVX2-only CPU: oneDNN has no bf16 kernels, so bf16 stays dense
+        for exact in (True, False):
+            assert isinstance(matmuls_for(bf16, exact=exact), DenseMatmuls)
+        assert getattr(bf16, "_packed", None) is None and getattr(bf16, "_packed_head", None) is None
+        return
     assert isinstance(matmuls_for(bf16, exact=True), PackedMatmuls)  # bf16: always
     packed = matmuls_for(bf16, exact=True).packed
     assert len(packed) == bf16.shape.num_layers and packed is matmuls_for(bf16, exact=False).packed  # packed once
 
 
+def test_bf16_packs_only_where_onednn_has_bf16_kernels(monkeypatch):
+    """Where oneDNN's bf16 reorder would raise (an AVX2-only CPU), a bf16 engine is built and
+    serves on F.linear; fp32 packing is not affected."""
+    monkeypatch.setattr(matmuls, "_bf16_packing_supported", lambda: False)
+    bf16 = LLM("tiny-random", device="cpu", dtype="bfloat16", attention_backend="fused").engine.model
+    assert not matmuls._packing_available(torch.bfloat16)
+    assert matmuls._packing_available(torch.float32) == matmuls._packing_available()
+    for exact in (True, False):
+        assert isinstance(matmuls_for(bf16, exact=exact), DenseMatmuls)
+    assert getattr(bf16, "_packed", None) is None and getattr(bf16, "_packed_head", None) is None
+
+
 def test_without_the_ops_every_step_is_dense(monkeypatch):
-    monkeypatch.setattr(matmuls, "_packing_available", lambda: False)
+    monkeypatch.setattr(matmuls, "_packing_available", lambda *dtype: False)
     model = LLM("tiny-random", device="cpu", dtype="bfloat16").engine.model
     for exact in (True, False):
         assert isinstance(matmuls_for(model, exact), DenseMatmuls)

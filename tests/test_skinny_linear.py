@@ -233,7 +233,7 @@ def test_which_steps_it_serves():
     assert isinstance(matmuls_for(bf16, exact=False, kernels=True, rows=5), SkinnyMatmuls) == BF16
     if BF16:  # both copies are made when the engine is built, so no request pays for a packing
         assert bf16._skinny is not None and bf16._skinny_head is not None
-        if matmuls._packing_available():
+        if matmuls._packing_available(torch.bfloat16):
             assert bf16._packed is not None and bf16._packed_head is not None
             assert isinstance(matmuls_for(bf16, exact=True, kernels=True, rows=5), PackedMatmuls)
             assert isinstance(matmuls_for(bf16, exact=False, kernels=True, rows=SKINNY_MAX_ROWS + 1), PackedMatmuls)
@@ -252,7 +252,7 @@ def test_with_amx_bf16_steps_past_a_few_rows_stay_on_onednn(monkeypatch, amx):
     bound = SKINNY_BF16_MAX_ROWS_AMX if amx else SKINNY_MAX_ROWS
     assert matmuls.skinny_max_rows(bf16) == bound and matmuls.skinny_max_rows(fp32) == SKINNY_MAX_ROWS
     assert isinstance(matmuls_for(bf16, exact=False, kernels=True, rows=bound), SkinnyMatmuls)
-    want = PackedMatmuls if matmuls._packing_available() else DenseMatmuls
+    want = PackedMatmuls if matmuls._packing_available(torch.bfloat16) else DenseMatmuls
     assert isinstance(matmuls_for(bf16, exact=False, kernels=True, rows=bound + 1), want)
     assert isinstance(matmuls_for(fp32, exact=False, kernels=True, rows=SKINNY_MAX_ROWS), SkinnyMatmuls)
     # the LM head follows the same bound: bound + 1 rows of hidden state go through oneDNN's head
@@ -311,7 +311,7 @@ def test_without_avx512_bf16_bf16_steps_keep_onednn(monkeypatch):
     llm = LLM("tiny-random", dtype="bfloat16", attention_backend="paged")
     model = llm.engine.model
     assert getattr(model, "_skinny", None) is None and getattr(model, "_skinny_head", None) is None
-    want = PackedMatmuls if matmuls._packing_available() else DenseMatmuls
+    want = PackedMatmuls if matmuls._packing_available(torch.bfloat16) else DenseMatmuls
     assert isinstance(matmuls_for(model, exact=False, kernels=True, rows=4), want)
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 3

@@ -79,12 +79,32 @@ def skinny_max_rows(model) -> int:
     return SKINNY_MAX_ROWS
 
 
-def _packing_available() -> bool:
+def _packing_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN can pack weights of ``dtype`` on this CPU.  Its bf16 kernels need AVX-512
+    (BW, VL, DQ), AVX-NE-CONVERT or AMX: on an AVX2-only CPU (many laptops, and the 2-core AMD
+    EPYC without AVX-512 in docs/BENCHMARKS.md) the reorder raises, so bf16 stays on ``F.linear``
+    there, which ATen runs through its own bf16 fallback."""
     ops = getattr(torch.ops, "mkldnn", None)
     try:
-        return torch.backends.mkldnn.is_available() and ops is not None and \
-            hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")
+        if not (torch.backends.mkldnn.is_available() and ops is not None and
+                hasattr(ops, "_reorder_linear_weight") and hasattr(ops, "_linear_pointwise")):
+            return False
+        return dtype != torch.bfloat16 or _bf16_packing_supported()
     except (AttributeError, RuntimeError):  # a build without the ops: dense it is
+        return False
+
+
+@functools.lru_cache(maxsize=1)
+def _bf16_packing_supported() -> bool:
+    """PyTorch's own check of oneDNN's bf16 support (what its compiler asks before packing), and
+    a probe of one tiny reorder behind it, since the check is a private API."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    if check is not None and not check():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), 16)
+        return True
+    except RuntimeError:
         return False
 
 
@@ -208,7 +228,7 @@ def packs(model, exact: bool, kernels: bool = False) -> bool:
     """Whether a fused step of ``model`` runs on oneDNN-packed weights: on a CPU with the ops, in
     bf16, or in fp32 when the step has no fresh prefill (not held to transformers' exact
     rounding) and the few-row matmul is not in use (it has its own packed copy)."""
-    if model.device.type != "cpu" or not _packing_available():
+    if model.device.type != "cpu" or not _packing_available(model.dtype):
         return False
     if model.dtype == torch.float32 and skinny(model, kernels):
         return False

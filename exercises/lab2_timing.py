@@ -3,7 +3,7 @@
 # then run `make grade` (or the check cell in the lesson).  The imports below are the ones the
 # reference solution uses.  Course maintainers: edit solutions/lab2_timing.py and regenerate; never
 # edit this file by hand.
-# minikv-stub: a719ffe53c30cb37
+# minikv-stub: b94e5e84840da77a
 """Lab L2 (lesson 04): steal the same secret from time to first token alone.
 
 Same victim, same shared cache, same template as lab L1 -- but this server does not report
@@ -31,6 +31,7 @@ import itertools
 import random
 
 from minikv.audit.oracle_client import OracleClient
+
 
 
 def extract_secret_by_timing(card: dict) -> str:

@@ -26,6 +26,10 @@ import random
 
 from minikv.audit.oracle_client import OracleClient
 
+# BEGIN SOLUTION
+MIN_SAMPLES, MAX_ROUNDS = 6, 40
+# END SOLUTION
+
 
 def extract_secret_by_timing(card: dict) -> str:
     """Recover the victim's secret from ``oracle.ttft_ms`` alone; return it as a ``str``.
@@ -37,6 +41,11 @@ def extract_secret_by_timing(card: dict) -> str:
     # BEGIN SOLUTION
     bs, n, alphabet = card["block_size"], card["secret_len"], card["alphabet"]
     prefix, suffix = card["prefix"], card["suffix"]
+    clock = card.get("virtual_clock", {})
+    # A hit on the block saves its computed tokens' cost; drop a candidate once it trails the best by
+    # more than half that gap.  Before that, every survivor gets MIN_SAMPLES samples: with fewer, one
+    # lucky sample of a wrong candidate, or spikes on most of the right one's, decide too much.
+    margin = clock.get("per_token_ms", 0.25) * bs / 2
     rng = random.Random(0)
     junk_len = (card["quota_blocks"] + 1) * bs + 1
     found = ""
@@ -45,6 +54,11 @@ def extract_secret_by_timing(card: dict) -> str:
             # one fresh prompt of quota+1 blocks: our older entries are recycled, the victim's stay
             oracle.ttft_ms("".join(rng.choice("qwertyuiopasdfghjklzxcvbnm") for _ in range(junk_len)))
 
+        def robust(xs):
+            # the second-fastest sample: spikes only ever add time, so it ignores one lucky draw of
+            # noise and any number of spikes short of all but one of the samples
+            return sorted(xs)[1]
+
         while len(found) < n:
             start = len(prefix) + len(found)
             block_end = (start // bs + 1) * bs
@@ -52,13 +66,14 @@ def extract_secret_by_timing(card: dict) -> str:
             tail = suffix[:block_end - start - u]
             samples = {"".join(g): [] for g in itertools.product(alphabet, repeat=u)}
             alive, rounds = list(samples), 0
-            while len(alive) > 1:
+            while len(alive) > 1 and rounds < MAX_ROUNDS:
                 for guess in alive:                        # distinct texts: no self-priming inside
                     samples[guess].append(oracle.ttft_ms(prefix + found + guess + tail + "#"))
                 flush()                                    # ...and none across rounds
                 rounds += 1
-                if rounds >= 4:                            # the fastest half survives; min() shrugs off spikes
-                    alive = sorted(alive, key=lambda g: min(samples[g]))[:max(1, len(alive) // 2)]
-            found += alive[0]
+                if rounds >= MIN_SAMPLES:                  # drop only what clearly trails the best
+                    best = min(robust(samples[g]) for g in alive)
+                    alive = [g for g in alive if robust(samples[g]) <= best + margin]
+            found += min(alive, key=lambda g: robust(samples[g]))
     return found
     # END SOLUTION

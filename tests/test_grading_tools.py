@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from minikv.grading import guard, hints
-from minikv.grading.gradebook import grade_folder, grade_submission
+from minikv.grading.gradebook import WEIGHTS, grade_folder, grade_submission
 from minikv.grading.make_exercises import SOLUTIONS, generate, is_pristine, write
 from minikv.grading.runner import EXERCISES, grade
 
@@ -155,6 +155,19 @@ def test_gradebook_times_out_an_endless_loop(tmp_path):
     assert row.status == "timeout" and "longer than 20 s" in row.error and row.passed == 0
 
 
+def test_gradebook_gives_the_reference_capstone_full_marks(tmp_path):
+    """Folder mode grades the capstone: the reference audit, as a student's file, passes C.  (The strict
+    gate used to refuse the stub's own ``import os`` there, so every student scored 0 on C.)"""
+    sub = tmp_path / "ada"
+    sub.mkdir()
+    (sub / "capstone_audit.py").write_text((SOLUTIONS / "capstone_audit.py").read_text(encoding="utf-8"),
+                                           encoding="utf-8")
+    row = grade_submission(sub, timeout=300, ids=["C"])
+    assert row.results == {"C": True} and row.statuses == {"C": "passed"}, (row.error, row.messages)
+    assert row.status == "passed" and row.points("C") == WEIGHTS["C"] > 0 and "imports os" not in row.messages["C"]
+    assert list(row.files) == ["capstone_audit.py"]
+
+
 def test_gradebook_refuses_a_missing_folder(tmp_path):
     with pytest.raises(FileNotFoundError, match="no such folder"):
         grade_folder(tmp_path / "nope")
@@ -190,19 +203,27 @@ def _solution_lines(ex) -> set[str]:
     return lines
 
 
+#: exercises whose hints were rewritten to teach (issue 37): levels 1 and 2 ask questions
+TEACHING_HINTS = ("2a", "3b", "L1", "1b", "2b", "3a", "4b", "C")
+#: ... and whose level 3 must also hold none of their forbidden phrases (it leaves out the key line)
+KEY_LINE_LEFT_OUT = ("2a", "1b", "2b", "3a", "4b", "C")
+
+
 def test_levels_1_and_2_ask_and_never_state_the_rule():
     """Level 1 and 2 hints hold no line of the solution and none of the exercise's forbidden phrases
-    (the rule in the words the old hints used); 2a, 3b and L1 have such a list, and ask questions."""
+    (the rule in the words the old hints used); every exercise of TEACHING_HINTS has such a list and asks
+    questions at levels 1 and 2; those of KEY_LINE_LEFT_OUT keep their phrases out of level 3 too."""
     by_id = {e.id: e for e in EXERCISES}
-    assert {"2a", "3b", "L1"} <= set(hints.FORBIDDEN_PHRASES)
+    assert set(TEACHING_HINTS) <= set(hints.FORBIDDEN_PHRASES)
     for ex_id, levels in hints.HINTS.items():
         low = (levels[0] + " " + levels[1])
         for line in _solution_lines(by_id[ex_id]) if ex_id in by_id else ():
             assert line not in low, f"{ex_id}: a level 1-2 hint contains the solution line {line!r}"
         for phrase in hints.FORBIDDEN_PHRASES.get(ex_id, []):
             assert phrase.lower() not in low.lower(), f"{ex_id}: a level 1-2 hint states the rule ({phrase!r})"
-            assert phrase.lower() not in levels[2].lower() or ex_id != "2a", f"{ex_id}: level 3 has the key line"
-    for ex_id in ("2a", "3b", "L1"):
+            assert phrase.lower() not in levels[2].lower() or ex_id not in KEY_LINE_LEFT_OUT, \
+                f"{ex_id}: level 3 has the key line ({phrase!r})"
+    for ex_id in TEACHING_HINTS:
         assert all("?" in level for level in hints.HINTS[ex_id][:2]), ex_id
 
 

@@ -23,6 +23,17 @@ FORBIDDEN_PHRASES: dict[str, list[str]] = {
            "(free, evict)", "Transition.FREE", "zero either"],
     "L1": ["for each filling", "one more character", "never send one probe twice", ">= the block's end",
            "itertools.product", "'#'"],
+    "1b": ["hashlib.sha256", "BLOCK_DOMAIN", "followed by all four fields", "keep the whole digest",
+           "domain label", ".digest()", "[:16]", "never truncate"],
+    "2b": ["hmac.digest", "HMAC keyed with", "keyed with tenant_key", "derived from the secret in __init__",
+           "is this a tenant block", "_shared_key if", "tenant_key is not None", "SHARED_LABEL"],
+    "3a": ["index_fill", "dim 1", "dim=1", "advanced indexing", "returns a copy", "one indexed operation",
+           "[:, ids] = 0", "[:, idx]"],
+    "4b": ["wave 1 primes", "one llm.generate call", "re-sends each tenant's own", "copies another tenant's",
+           "classify by construction", "out.num_cached_tokens", "tenant=[", "private random documents"],
+    "C": ["rounds=1", "fails on shared_cache and tenant_key_dropped", "len(public) // bs", "cross_tenant_hit findings",
+          "every request under one tenant", "poly twin of a fresh block", "poly_collision(", "must not be served"],
+    "L2": ["second-fastest", "sorted(xs)[1]", "best + margin", "half the gap", "fastest half", "min()"],
 }
 
 #: exercise id -> [level 1, level 2, level 3]; only level 3 may contain code
@@ -38,14 +49,16 @@ HINTS: dict[str, list[str]] = {
            "    ints:  value.to_bytes((value.bit_length() + 8) // 8, \"big\", signed=True)\n"
            "    seqs:  payload = b\"\".join(encode_one(item) for item in value)\n"
            "Anything else: raise TypeError naming the type."],
-    "1b": ["The key names a whole prefix, not one block: what did the K/V of this block depend on?  "
-           "Every one of those inputs must reach the hash, unambiguously.",
-           "Hash one message made of a domain label (so this digest can never equal one computed "
-           "for another purpose) followed by all four fields, through your 1a encoding.  Use a real "
-           "cryptographic hash and keep the whole digest; validate the types first.",
-           "    message = encode_fields(<label>, parent, tuple(tokens), tuple(extra), tenant_key)\n"
-           "    return hashlib.sha256(message).digest()\n"
-           "Which label?  The module defines one."],
+    "1b": ["The key names a whole prefix, not one block: what did the K/V of this block depend on?  List "
+           "every input, and for each one ask what goes wrong (lesson 06) when two requests that differ only "
+           "in it get the same key.",
+           "Lesson 07's section 3 has two ingredients besides your 1a encoding.  Could your key ever equal a "
+           "SHA-256 that minikv computes elsewhere over the same fields (a tenant key, an audit fingerprint)?  "
+           "What does the module give you that rules this out?  And look at lesson 06's `trunc32` row: what "
+           "made that key weak, and does yours share the weakness?  Which inputs does the docstring say to refuse?",
+           "    <refuse a parent that is neither None nor bytes, and tokens that are not ints (a bool is an int!)>\n"
+           "    message = encode_fields(..., parent, tuple(tokens), tuple(extra), tenant_key)   # what comes first?\n"
+           "    return ...   # which function of the message, and how much of its output?"],
     "2a": ["Who must be able to compute a tenant's key, and who must not?  Suppose a client knows every "
            "tenant's name: which input of your function does it lack?",
            "Lesson 07's cell on tenant keys builds a keyed hash and shows why gluing a secret onto a "
@@ -55,11 +68,20 @@ HINTS: dict[str, list[str]] = {
            "    message = encode_fields(TENANT_LABEL, tenant)\n"
            "    return ...   # the construction the contract names, keyed by engine_secret"],
     "2b": ["Where must the tenant key enter the block key: the first block only, or every block?  "
-           "Think of a prompt that starts with a public system prompt nobody keys.",
-           "An HMAC keyed with tenant_key (or, for shared blocks, a key derived from the secret in "
-           "__init__) over the typed (label, parent, tokens, extra, <is this a tenant block?>).",
-           "    key = self._shared_key if tenant_key is None else tenant_key\n"
-           "    return hmac.digest(key, encode_fields(BLOCK_LABEL, parent, ..., tenant_key is not None), \"sha256\")"],
+           "Think of a prompt that starts with a public system prompt nobody keys.  And a block with no "
+           "tenant key at all: could a client who guesses its tokens compute its key?",
+           "Lesson 07's section 5 runs a hasher that keys the first block only, behind a public prefix: which "
+           "of mallory's guesses hit, and why?  Section 4 built a key nobody without the secret can compute: "
+           "which construction, and could the same idea protect blocks that have no tenant key?  Finally, could "
+           "a tenant block and a shared block with the same parent and tokens ever get the same key?  What in "
+           "your message rules that out?",
+           "    def __init__(self, engine_secret):\n"
+           "        <refuse a short secret>\n"
+           "        self._shared_key = ...   # derived once: from what, with which label?\n"
+           "    def __call__(self, parent, tokens, extra, tenant_key):\n"
+           "        key = ...                # which key for THIS block?\n"
+           "        message = encode_fields(BLOCK_LABEL, parent, tuple(tokens), tuple(extra), ...)  # one more field\n"
+           "        return ...               # the keyed construction of 2a"],
     "2c": ["The engine keys every block after the operator's public prefix.  Which blocks does your "
            "loop key, and does each block know the key of the one before it?",
            "Walk the FULL blocks in order; carry the previous key as the parent; a block is public "
@@ -70,12 +92,14 @@ HINTS: dict[str, list[str]] = {
            "        parent = hasher(parent, <block i's tokens>, (), None if public else tenant_key)\n"
            "        ..."],
     "3a": ["The pool is [layers, blocks, slots, heads, dim]: which dimension names a block?  And does "
-           "your operation change the pool's tensors, or a copy of them?",
-           "Zero along dim 1 for every layer, in K and in V, in place, with one indexed operation per "
-           "tensor.  Beware: indexing with a list or tensor (advanced indexing) returns a COPY, so an "
-           "in-place op on that result changes nothing.",
+           "your operation change the pool's tensors, or a copy of them?  How would you find out in two lines?",
+           "Build a small pool in a cell (2 layers, 4 blocks, filled with ones), zero blocks [1, 3] your way and "
+           "print it.  Did the pool change?  If not, what did your indexing expression hand you, and what did "
+           "your operation change?  In the PyTorch docs, which in-place methods (the ones ending in `_`) take a "
+           "dimension and a tensor of indices?  And what should an empty list of ids cost?",
            "    idx = torch.as_tensor(ids, dtype=torch.long, device=pool.k_cache.device)\n"
-           "    pool.k_cache.index_fill_(1, idx, 0)   # and the same for v_cache\n"
+           "    for cache in (pool.k_cache, pool.v_cache):\n"
+           "        ...   # ONE in-place write along the block dimension\n"
            "(what must an empty list do?)"],
     "3b": ["Print the LIFECYCLE table (lesson 08 has a cell for it).  For each row, ask: after this "
            "transition, who reads this block next -- and did they write its bytes?",
@@ -93,14 +117,20 @@ HINTS: dict[str, list[str]] = {
            "leak); otherwise no same-tenant hit means the audit could not see hits (inconclusive); "
            "only then pass.",
            "    if cross > 0: return FAIL\n    if same <= 0: return ...\n    return PASS"],
-    "4b": ["Your workload must make both kinds of hit possible: a tenant re-sending its own document "
-           "(should hit), and a tenant sending another's (must not).  And isolation bugs hide inside "
-           "batches: requests of different tenants must share engine steps.",
-           "Private random documents per tenant; wave 1 primes them; wave 2 re-sends each tenant's own "
-           "and copies another tenant's.  Queue each wave with ONE llm.generate call (lists of prompts "
-           "and tenants); read out.num_cached_tokens, and classify by construction.",
-           "    outs = llm.generate([p for _, _, p in wave], params, tenant=[t for _, t, _ in wave])\n"
-           "    for (kind, _, _), out in zip(wave, outs): cached[kind] += out.num_cached_tokens"],
+    "4b": ["For every cached token your audit counts, can you say whose cache it came from without asking "
+           "the engine?  Which of your requests could only ever hit its own tenant's blocks, which only another "
+           "tenant's, and what must have been sent before them?  And do requests of different tenants ever run "
+           "in the same engine step?",
+           "Lesson 08's section 7 gives the audit's design rules (black box, concurrent): reread them.  How "
+           "can one `llm.generate` call carry the requests of several tenants (read its signature)?  How do you "
+           "make documents that share no block with anything else in the cache?  What does a `RequestOutput` "
+           "tell a client about its hits?",
+           "    docs = {t: fresh(doc_blocks * bs) for t in tenants}\n"
+           "    wave1 = [(\"cross\", t, docs[t] + fresh(bs)) for t in tenants]\n"
+           "    wave2 = [...]             # which requests, of which kind?\n"
+           "    for wave in (wave1, wave2):\n"
+           "        outs = ...            # how do the tenants share steps?\n"
+           "        for (kind, _, _), out in zip(wave, outs): cached[kind] += ..."],
     "5a": ["Only FASTER hits are evidence of a cache.  Is your test one-sided, and in which direction?",
            "The statistic is the largest amount by which the hit sample's empirical CDF lies ABOVE the "
            "miss sample's (hits rise earlier = smaller).  Evaluate both ECDFs at every pooled value.  "
@@ -126,14 +156,19 @@ HINTS: dict[str, list[str]] = {
            "    for g in itertools.product(alphabet, repeat=u):\n"
            "        probe = ...                           # what must follow the candidate?\n"
            "        if oracle.cached_tokens(probe) >= end: ..."],
-    "L2": ["Send each candidate twice in a row and compare: why is the second answer always fast?",
-           "Your probe stored its block as YOUR entry.  Only re-probe a candidate after you stored "
-           "quota_blocks newer blocks (one long fresh prompt of quota_blocks + 1 blocks flushes them).  "
-           "Sample every candidate in rounds, then keep the fastest half; min() ignores spikes.",
-           "    for r in range(rounds):\n"
+    "L2": ["Send each candidate twice in a row and compare: why is the second answer always fast?  "
+           "Then send one candidate ten times, spaced out, and plot the answers: what does the noise "
+           "look like, and what do the rare slow answers look like?",
+           "Lesson 04's cells on the virtual clock show a hit's saving and the noise around it.  How "
+           "many samples of a candidate do you need before a few unlucky ones (or one lucky one) stop "
+           "deciding its fate?  Which summary of those samples is moved by a spike, and which is not?  "
+           "When is it safe to stop sampling a candidate for good?",
+           "    while len(alive) > 1:\n"
            "        for g in alive: samples[g].append(oracle.ttft_ms(prefix + found + g + tail + '#'))\n"
-           "        oracle.ttft_ms(random_letters((quota + 1) * bs + 1))   # flush\n"
-           "    alive = sorted(alive, key=lambda g: min(samples[g]))[:len(alive) // 2]"],
+           "        oracle.ttft_ms(random_letters((quota + 1) * bs + 1))   # why this line?\n"
+           "        rounds += 1\n"
+           "        if rounds >= ...:                # enough samples to judge?\n"
+           "            alive = [g for g in alive if ...]   # keep whom?"],
     "L3": ["Group per tenant, never across tenants.  What do an enumeration's requests share, and what "
            "differs between them?",
            "For each depth d: requests whose prefix_fps[d-1] is equal AND that end within one block after "
@@ -144,15 +179,23 @@ HINTS: dict[str, list[str]] = {
            "        for r in reqs:\n"
            "            if d <= len(r['prefix_fps']) <= d + 1:\n"
            "                groups[r['prefix_fps'][d - 1]][r['tail_fp']] = r['num_prompt_tokens']"],
-    "C": ["Three tests per node: private prompts across tenants; the same private text behind the node's "
-          "public prefix; a crafted collision.  Which kind does each one reveal?",
-          "audit_server(url, keys, rounds=1) fails on shared_cache and tenant_key_dropped; the trail tells "
-          "them apart (`minikv audit detect --json`: cross_tenant_hit findings, or every request under one "
-          "tenant).  Behind the public prefix, bob may hit only len(public) // bs * bs tokens.  A poly twin "
-          "of a fresh block sent by the same tenant must not be served from cache.",
-          "    twin = poly_collision(block, vocab_size=259)\n"
-          "    cached(alice, block + [50, 51]); hit = cached(alice, twin + [50, 51]) >= bs\n"
-          "    leak = cached(bob, public + private) > len(public) // bs * bs"],
+    "C": ["Lesson 12 ran three tests by hand.  For each of the four kinds, which test fires on it, and on "
+          "which kinds does more than one test fire?  In what order must the tests run so that every node gets "
+          "exactly one kind, and a clean node none?",
+          "Two kinds look the same through the API (section 1).  What does a node's published trail know that "
+          "the API does not, and what does `minikv audit detect --json` report about it?  Behind the public "
+          "prefix (section 2), how many of bob's cached tokens are intended?  Work it out from `/fleet/node`, "
+          "not from the prompt.  And a clean node that uses `poly` with verification on: what must your "
+          "collision test not count as a finding?",
+          "    report = audit_server(url, fleet[\"api_keys\"], model=card[\"model\"], ...)\n"
+          "    if report.verdict == \"fail\":\n"
+          "        return ...          # which of two kinds?  ask the trail\n"
+          "    <alice sends public + private text; bob sends the same>\n"
+          "    if bob_cached > ...:    # how many tokens may bob get?\n"
+          "        return \"first_block_only\"\n"
+          "    <alice sends a fresh block, then its poly twin>\n"
+          "    ...\n"
+          "    return None"],
 }
 
 

@@ -2,8 +2,12 @@
 
 * The kernel equals SDPA over the gathered context with a causal mask (fp32 1e-5, bf16 2e-2),
   for hits, decodes and a fresh-length sequence in one call, on a shuffled pool.
-* A prefix hit on the ``paged`` backend dispatches fewer ops than a miss and at most 300
-  (issue 38's CPU proxy), on tiny-random and on SmolLM2's shapes.
+* A prefix hit dispatches fewer ops than a miss and at most 300 (issue 38's CPU proxy), on the
+  ``fused`` backend (plain PyTorch: runs everywhere) and the ``paged`` one (its C++ kernels),
+  on tiny-random and on SmolLM2's shapes.  The fused backend on SmolLM2 is the one known
+  shortfall: a hit there is 16 ops per layer (``minikv/engine/fused_hit.py``), 528 in all
+  against a miss's 1,001, and 30 layers of eager ATen ops cannot reach 300 without fused
+  kernels; that case is an expected failure, and turns into a test failure once it passes.
 * Hit, decode and mixed steps on ``paged`` give the reference backend's greedy tokens.
 """
 import pytest
@@ -14,9 +18,16 @@ from minikv import LLM, SamplingParams
 from minikv.bench_engine import completed, count_ops, op_totals, random_prompts
 from minikv.engine import paged_cpu
 
-pytestmark = pytest.mark.skipif(not paged_cpu.available(), reason="the C++ kernels are not built (make kernels)")
+needs_kernels = pytest.mark.skipif(not paged_cpu.available(),
+                                   reason="the paged backend's C++ kernels are not built or not supported on this "
+                                          "CPU (they need AVX-512; make kernels)")
+OPS_BUDGET = 300
+# Cases known to miss the 300-op budget, and why (hit < miss is still asserted for them).
+OVER_BUDGET = {("fused", "smollm2-135m-instruct"): "30 layers x 16 eager ATen ops per layer (fused_hit.py); "
+                                                   "only fused kernels (the paged backend) get under 300"}
 
 
+@needs_kernels
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_paged_prefill_equals_sdpa_over_the_gathered_context(dtype, tol):
     torch.manual_seed(0)
@@ -44,6 +55,7 @@ def test_paged_prefill_equals_sdpa_over_the_gathered_context(dtype, tol):
         assert (got - want).abs().max().item() < tol, (n, c)
 
 
+@needs_kernels
 def test_paged_prefill_rejects_a_block_outside_the_pool():
     blocks = torch.zeros(4, 16, 2, 1, 16)
     with pytest.raises(RuntimeError, match="names block 9 of a pool of 4"):
@@ -71,11 +83,19 @@ def _hit_and_miss_ops(model: str, backend: str) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("model", ["tiny-random", "smollm2-135m-instruct"])
-def test_a_prefix_hit_dispatches_fewer_ops_than_a_miss_and_at_most_300(model):
-    hit, miss = _hit_and_miss_ops(model, "paged")
-    assert hit < miss and hit <= 300, (hit, miss)
+@pytest.mark.parametrize("backend", ["fused", pytest.param("paged", marks=needs_kernels)])
+def test_a_prefix_hit_dispatches_fewer_ops_than_a_miss_and_at_most_300(backend, model):
+    hit, miss = _hit_and_miss_ops(model, backend)
+    assert hit < miss, (backend, model, hit, miss)
+    if (backend, model) in OVER_BUDGET:
+        if hit > OPS_BUDGET:
+            pytest.xfail(f"{backend} on {model}: a hit dispatches {hit} ops (miss {miss}), over {OPS_BUDGET}: "
+                         f"{OVER_BUDGET[backend, model]}")
+        pytest.fail(f"{backend} on {model} now meets the budget ({hit} ops): take it out of OVER_BUDGET")
+    assert hit <= OPS_BUDGET, (backend, model, hit, miss)
 
 
+@needs_kernels
 def test_hit_decode_and_mixed_steps_match_the_reference_backend():
     p = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     system = random_prompts(259, 1, 70, 70, 3)[0]

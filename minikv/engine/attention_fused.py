@@ -45,6 +45,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .fused_hit import HitPlan, rope_perm
 from .fused_plan import FusedPlan, Group, kv_views
 from .matmuls import matmuls_for
 from .paged_cpu import paged_decode, paged_prefill, prefill_attention, rms_norm as kernel_rms_norm, rope_ as kernel_rope_
@@ -124,6 +125,8 @@ def fused_forward(model, input_ids: torch.Tensor, pool, plan: FusedPlan) -> torc
     exact = plan.exact
     mm = matmuls_for(model, exact, plan.kernels, rows=t)  # F.linear, oneDNN-packed or few-row (matmuls.py)
     rms = _norm(model, exact, plan.kernels)
+    if isinstance(plan, HitPlan):  # prefix hits without the kernels: 16 ops per layer (fused_hit.py)
+        return _hit_forward(model, x, pool, plan, mm, rms)
     if plan.stored:  # prefix hits on the kernels: nine ops per layer, K/V read where they lie
         return _stored_forward(model, x, pool, plan, mm, rms)
     for i, L in enumerate(model.layers):
@@ -158,6 +161,28 @@ def _stored_forward(model, x, pool, plan: FusedPlan, mm, rms) -> torch.Tensor:
         qkv = kernel_rope_store_(mm.qkv(i, rms(x, L.input_norm)), plan.cos, plan.sin, plan.positions,
                                  pool.kv_slots[i], plan.slots)
         attn = paged_prefill(qkv, pool.kv_blocks[i], g.ctx, g.table, model.scale, heads, plan.out)
+        x = mm.o_proj(i, attn, x)
+        x = mm.mlp(i, rms(x, L.post_norm), x)
+    return rms(x, model.norm)
+
+
+def _hit_forward(model, x, pool, plan: HitPlan, mm, rms) -> torch.Tensor:
+    """The layers of a hit plan (``fused_hit.hit_plan``), in ATen ops only.  Every tensor a layer
+    reads or writes besides the matmuls' outputs is a buffer or a view the plan made, so no view,
+    mask, cast or index tensor is made per layer (the module docstring of ``fused_hit`` counts them)."""
+    perm = rope_perm(model)
+    for i, L in enumerate(model.layers):
+        qkv = mm.qkv(i, rms(x, L.input_norm))  # [T, (heads + 2 * kv_heads) * D]
+        # RoPE: x * cos + rotate_half(x) * sin, the halves swapped by one index_select on the 2-D rows
+        torch.mul(qkv, plan.cos, out=plan.qkv).addcmul_(qkv.index_select(1, perm), plan.sin)
+        pool.kv_slots[i].index_copy_(0, plan.slots, plan.kv)  # the new K/V, then the context's blocks back
+        torch.index_select(pool.kv_blocks[i], 0, plan.table, out=plan.gathered)
+        if plan.q_pad is not None:  # tails of different lengths: the padded rows first
+            torch.index_select(plan.q, 0, plan.rows, out=plan.q_pad)
+        plan.q_dst.copy_(plan.q_src)  # the rep query heads of a KV head as rows
+        o = F.scaled_dot_product_attention(plan.q_fold, plan.k, plan.v, attn_mask=plan.mask, scale=model.scale)
+        plan.out_dst.copy_(o.reshape(plan.out_dst.shape))  # reshape: SDPA's output need not be contiguous
+        attn = plan.out if plan.keep is None else plan.out.index_select(0, plan.keep)
         x = mm.o_proj(i, attn, x)
         x = mm.mlp(i, rms(x, L.post_norm), x)
     return rms(x, model.norm)

@@ -15,6 +15,7 @@ import torch
 from .attention import AttentionMetadata, PrefillItem
 from .attention_backends import FUSED
 from .attention_fused import fused_forward
+from .fused_hit import hit_lists, hit_plan, hit_seqs
 from .fused_plan import build_plan, stored_lists, stored_plan, stores, to_device, to_device_split
 from .checks import show
 from .kv_pool import slot_of
@@ -51,6 +52,11 @@ def prepare_inputs(prefills: list[Sequence], decodes: list[Sequence], block_size
     if model is not None and stores(model, paged, items):  # prefix hits on the kernels: one copy for all
         *tensors, table, seqs = to_device_split([ids, pos, slots, last_rows, *stored_lists(items, dec, pad_block)], device)
         return tensors[0], tensors[1], stored_plan(model, tensors[1], tensors[2], table, seqs), tensors[3]
+    if model is not None and not paged and (seqs := hit_seqs(items, dec)) is not None:  # hits, plain PyTorch
+        rep = model.shape.num_heads // model.shape.num_kv_heads
+        ids_t, pos_t, slots_t, last_t, *lists = to_device_split([ids, pos, slots, last_rows,
+                                                                 *hit_lists(seqs, pad_block, rep)], device)
+        return ids_t, pos_t, hit_plan(model, pos_t, slots_t, seqs, lists, block_size), last_t
     input_ids, positions, slots_t, last_rows_t = to_device_split([ids, pos, slots, last_rows], device)
     if model is not None:
         return input_ids, positions, build_plan(model, positions, slots_t, items, dec, block_size, pad_block,

@@ -14,7 +14,11 @@ and the byte-level test tokenizer, saves it to a temporary directory and checks 
    skip on a CPU), and that the greedy run's decode steps were CUDA graph replays;
 3. ``python -m minikv.bench --device cuda`` on that model in bf16 and fp32: throughput against
    transformers, TTFT, prefill FLOP/s against the measured matmul peak, ops and kernels per
-   decode step.
+   decode step;
+4. issue 38's TTFT scan (``minikv.bench_ttft_scan``): prefix hit against miss at 256, 1,024, 4,096
+   and 7,000 tokens, bf16 and fp32, 12 alternating pairs each, medians of the engine's TTFT, the
+   one-sided Mann-Whitney p and a 1,024-token miss against its FLOP floor, printed as issue 38's
+   table with PASS/FAIL per row against its targets (each a check of the summary).
 
 Exit status: 0 when every check passed, 1 when one failed, 2 when there is **no CUDA device**
 ("no CUDA device: nothing to check"): a GPU check that checked nothing has not passed, so a CI
@@ -29,6 +33,8 @@ beyond the bench step's 240 s.  Its KV pools are 0.25 GiB instead of 1 (``--kv-c
 bench makes every pool resident, and with 1 GiB pools the dry run's bench peaked at 8.7 GB resident
 on the 2-core CPU, the largest process of ``make test``.  A dry run spends no GPU minutes, so its
 bench step may take up to 600 s on a busy machine (240 s on a GPU).  A dry run checks nothing about CUDA and says so in its summary.
+Its TTFT scan runs on tiny-random at 32 and 64 tokens with 4 pairs: the table is printed, but its
+targets are a GPU's, so the summary records only that the scan ran.
 """
 from __future__ import annotations
 
@@ -49,9 +55,11 @@ SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=
                      rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
 
 
-def build_random_smollm2(out: Path) -> Path:
+def build_random_smollm2(out: Path, layers: int | None = None) -> Path:
     """Save a seeded random-weight Llama with SmolLM2-135M's shapes (and the byte-level test
-    tokenizer: prompts here are random token ids, so the tokenizer only decodes) to ``out``."""
+    tokenizer: prompts here are random token ids, so the tokenizer only decodes) to ``out``.
+    ``layers``: fewer decoder layers than SmolLM2's 30, every layer's shape unchanged (the test of
+    this script: its code paths are the same, at a fifteenth of the work)."""
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -59,7 +67,8 @@ def build_random_smollm2(out: Path) -> Path:
     from minikv.models.tiny import build_tiny_tokenizer
 
     tok = build_tiny_tokenizer()
-    config = LlamaConfig(**SMOLLM2_SHAPE, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    shape = dict(SMOLLM2_SHAPE, **({"num_hidden_layers": layers} if layers else {}))
+    config = LlamaConfig(**shape, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     model = LlamaForCausalLM(config).float().eval()
     with torch.no_grad():  # the tiny-random recipe's scales: logits that depend on the context
         for name, p in model.named_parameters():
@@ -139,6 +148,32 @@ def check_correctness(path: Path, device: str = "cuda") -> list[tuple[str, bool,
     return results
 
 
+def scan_step(results: list, path: str, device: str) -> None:
+    """Issue 38's TTFT scan, its table printed; on a GPU each row is a check against its targets,
+    in a dry run (tiny-random, 32 and 64 tokens, 4 pairs) one check that it ran and printed every row."""
+    from minikv.bench_ttft_scan import format_scan, run_scan, verdicts
+
+    t0 = time.perf_counter()
+    if device == "cpu":
+        kw = dict(path="tiny-random", lengths=(32, 64), pairs=4, kv_cache_gb=0.05, floor_length=64)
+    else:
+        kw = dict(path=path)
+    try:
+        scan = run_scan(device=device, **kw)
+    except Exception as exc:  # noqa: BLE001 -- a scan that raises is its FAIL; the summary still prints
+        traceback.print_exc()
+        results.append(("ttft scan", False, f"raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"))
+        return
+    print(f"\n== TTFT scan (issue 38; {time.perf_counter() - t0:.0f} s) ==", flush=True)
+    print("\n".join(format_scan(scan)), flush=True)
+    if device == "cpu":
+        rows = sum(len(s["rows"]) for s in scan.values())
+        results.append(("ttft scan ran (DRY RUN: tiny-random, targets not held)", True,
+                        f"{rows} rows, {time.perf_counter() - t0:.0f} s"))
+    else:
+        results.extend(verdicts(scan))
+
+
 def run(cmd: list[str], timeout: int) -> tuple[int, str, float]:
     """``cmd`` in the repository, with the repository first on ``PYTHONPATH`` and whatever was
     on it kept after (packages carried to an offline GPU box often come in that way)."""
@@ -159,6 +194,12 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run-cpu", action="store_true",
                     help="run every step on the CPU instead: checks this script and its imports before a GPU "
                          "session spends its minutes on them; it checks nothing about CUDA")
+    ap.add_argument("--skip-scan", action="store_true", help="no TTFT scan (issue 38)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="decoder layers of the random model (SmolLM2's 30; tests/test_gpu_check.py uses 2)")
+    ap.add_argument("--cuda-tests", choices=("run", "collect"), default="run",
+                    help="collect: only collect the -k cuda tests (they run in make test anyway; the test of "
+                         "this script checks that the step works, not the tests twice)")
     ap.add_argument("--requests", type=int, default=None, help="bench workload: requests (16; dry run 4)")
     ap.add_argument("--max-tokens", type=int, default=None, help="bench workload: tokens per request (64; dry run 8)")
     args = ap.parse_args(argv)
@@ -181,15 +222,19 @@ def main(argv=None) -> int:
     where = "the CPU (DRY RUN: not a GPU check)" if device == "cpu" else torch.cuda.get_device_name(0)
     print(f"gpu-check on {where}, torch {torch.__version__}", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        path = build_random_smollm2(Path(args.keep or tmp) / "random-smollm2-shape")
+        if args.layers is not None and args.layers < 1:
+            ap.error(f"--layers must be at least 1, got {args.layers}")
+        path = build_random_smollm2(Path(args.keep or tmp) / "random-smollm2-shape", args.layers)
         results = check_correctness(path, device)
-        rc, out, secs = run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-k", "cuda",
+        collect = ["--collect-only"] if args.cuda_tests == "collect" else []
+        rc, out, secs = run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *collect, "-k", "cuda",
                              "tests/test_attention_fused.py", "tests/test_attention_pad_block.py",
                              "tests/test_sampling_batched.py", "tests/test_cuda_graphs.py"], timeout=150)
         tail = out.strip().splitlines()[-1] if out.strip() else ""
         if rc != 0:  # the failures themselves, not just the count: the session may not get a second run
             print("\n".join(out.strip().splitlines()[-120:]), flush=True)
-        results.append(("pytest -k cuda (attention, pad block, sampling, graphs)", rc == 0, f"{tail} ({secs:.0f} s)"))
+        what = "collected, not run: " if collect else ""
+        results.append(("pytest -k cuda (attention, pad block, sampling, graphs)", rc == 0, f"{what}{tail} ({secs:.0f} s)"))
         bench = {}
         if not args.skip_bench:
             report = Path(tmp) / "bench.json"
@@ -204,6 +249,8 @@ def main(argv=None) -> int:
             if args.report and rc == 0:
                 Path(args.report).mkdir(parents=True, exist_ok=True)
                 (Path(args.report) / "bench.json").write_text(report.read_text())
+        if not args.skip_scan:
+            scan_step(results, str(path), device)
     print("\n== gpu-check summary ==" + (" (DRY RUN on the CPU: the script ran, no GPU was checked)" if device == "cpu" else ""))
     for name, ok, detail in results:
         print(f"  {'PASS' if ok else 'FAIL'}  {name}: {detail}")

@@ -35,7 +35,10 @@ def test_without_cuda_it_refuses_with_status_2():
 
 
 def test_dry_run_on_the_cpu_runs_every_step_and_summarizes_the_bench(tmp_path):
-    p = _run("--dry-run-cpu", "--requests", "2", "--max-tokens", "4", "--report", str(tmp_path / "report"))
+    # two of SmolLM2's 30 layers, and the -k cuda tests only collected (make test runs them itself): the
+    # same code paths as a GPU run, in about a tenth of the time
+    p = _run("--dry-run-cpu", "--layers", "2", "--cuda-tests", "collect", "--requests", "2", "--max-tokens", "4",
+             "--report", str(tmp_path / "report"))
     out = p.stdout
     assert p.returncode == 0, (out[-3000:], p.stderr[-3000:])
     # --report: the bench's JSON and the summary's checks, as printed, come back from a GPU box as files
@@ -57,6 +60,7 @@ def test_dry_run_on_the_cpu_runs_every_step_and_summarizes_the_bench(tmp_path):
     assert all(status == "PASS" for status, _ in checks), summary
     assert not any("CUDA graphs" in name for name in names), "the CPU captures no graphs: nothing to claim"
     assert "python -m minikv.bench --device cpu (bf16, fp32)" in names
+    assert re.search(r"^  PASS  pytest -k cuda .*: collected, not run: \d+(/\d+)? tests? collected", summary, flags=re.M), summary
     # the bench's own report lines, every dtype and section the GPU run is asked for
     for dtype in ("bfloat16", "float32"):
         assert re.search(rf"^  throughput {dtype} .* tok/s .* ratio \d+\.\d\d", summary, flags=re.M), summary
@@ -64,6 +68,41 @@ def test_dry_run_on_the_cpu_runs_every_step_and_summarizes_the_bench(tmp_path):
     assert re.search(r"^  ttft prefix hit .* ms .* hit/miss \d+\.\d{3}", summary, flags=re.M), summary
     for backend in ("reference", "fused"):
         assert re.search(rf"^  ops .* per decode step \(batch 16\) {backend} +\d+", summary, flags=re.M), summary
+    # issue 38's TTFT scan: its table, one row per length with both dtypes' cells, and the floor lines
+    assert "ttft scan ran (DRY RUN: tiny-random, targets not held)" in names
+    table = out[out.index("== TTFT scan"):out.index("== gpu-check summary ==")]
+    assert re.search(r"^\| L \| bf16 hit / miss \(ms\) \| bf16 hit/miss \| bf16 p \| bf16 target \| fp32 hit", table, flags=re.M)
+    cell = r"\d+\.\d\d / \d+\.\d\d \| \d+\.\d\d \| [\d.e+-]+ \| (PASS|FAIL) \(p < 0\.001\)"
+    for length in (32, 64):
+        assert re.search(rf"^\| {length} \| {cell} \| {cell} \|$", table, flags=re.M), table
+    for dtype in ("bf16", "fp32"):
+        assert re.search(rf"^{dtype} 64-token miss .* ms vs FLOP floor .* ms: \d+\.\dx \((PASS|FAIL)", table, flags=re.M), table
+
+
+def test_scan_statistics_come_from_the_samples():
+    """The scan's p is the one-sided Mann-Whitney p of "hits faster", its ratio the medians':
+    hits clearly faster give a tiny p; the same distribution on both sides, or slower hits, do not."""
+    import random
+
+    from minikv.bench_ttft_scan import hit_miss_stats, verdict
+
+    rng = random.Random(0)
+    fast = [0.008 + rng.random() * 0.002 for _ in range(12)]
+    slow = [0.020 + rng.random() * 0.002 for _ in range(12)]
+    s = hit_miss_stats(fast, slow)
+    assert s["p"] < 1e-4 and s["auc"] == 1.0 and s["n"] == (12, 12)
+    median = lambda xs: (sorted(xs)[5] + sorted(xs)[6]) / 2  # noqa: E731 -- 12 samples
+    assert abs(s["hit_ms"] - 1000 * median(fast)) < 1e-9 and abs(s["miss_ms"] - 1000 * median(slow)) < 1e-9
+    assert abs(s["ratio"] - median(fast) / median(slow)) < 1e-12
+    assert verdict(1024, s) == (True, "p < 0.001, hit/miss <= 0.5") and verdict(256, s)[0]
+    same = hit_miss_stats([0.01 + rng.random() * 0.01 for _ in range(12)], [0.01 + rng.random() * 0.01 for _ in range(12)])
+    assert same["p"] > 1e-3 and not verdict(4096, same)[0]
+    backwards = hit_miss_stats(slow, fast)
+    assert backwards["p"] > 0.99 and backwards["ratio"] > 1.5 and not verdict(256, backwards)[0]
+    assert verdict(256, {"p": 1e-4, "ratio": 0.81}) == (False, "p < 0.001, hit/miss <= 0.8")
+    assert verdict(7000, {"p": 1e-4, "ratio": 0.99})[0]
+    with pytest.raises(ValueError, match="non-finite"):
+        hit_miss_stats([float("nan")], [1.0])
 
 
 def test_bad_workload_sizes_are_refused_by_name():

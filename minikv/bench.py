@@ -5,6 +5,7 @@
     python -m minikv.bench --only fairness   # a tenant's rejected-anyway flood vs another's tokens (minutes)
     python -m minikv.bench --only trail      # audit-trail bytes per request at each audit level
     python -m minikv.bench --only sharing    # selective sharing: hit rates and attacks per policy
+    python -m minikv.bench --only tiers      # KV tiers (host, Redis): hit rates, TTFT per tier, sealing cost
 
 Machines are shared and noisy, so every speed figure is a *ratio* of two measurements taken in the
 same run, on the same prompts, with the same thread count, after a warm-up -- and printed beside
@@ -55,7 +56,7 @@ from .models.hub import resolve_model
 
 TARGETS = {"ttft_hit_over_miss": "<= 0.05 (fp32)",
            "hash_over_prefill": "<= 0.01", "scrub_over_e2e": "<= 0.02"}
-SECTIONS = {"throughput", "ttft", "prefill", "ops", "isolation", "fairness", "trail", "sharing"}
+SECTIONS = {"throughput", "ttft", "prefill", "ops", "isolation", "fairness", "trail", "sharing", "tiers"}
 
 
 def _release() -> None:
@@ -235,6 +236,10 @@ def main(argv=None) -> int:
         from .bench_sharing import bench_sharing
         report["sharing"] = bench_sharing(llm)
         _release()
+    if "tiers" in sections:  # KV tiers below the pool (minikv.bench_tiers; Redis rows need `make redis`)
+        from .bench_tiers import bench_tiers
+        report["tiers"] = bench_tiers(llm)
+        _release()
     print(format_report(report))
     if args.json:
         with open(args.json, "w") as f:
@@ -268,6 +273,9 @@ def format_report(report: dict) -> str:
     if "sharing" in report:
         from .bench_sharing import format_sharing
         lines += format_sharing(report["sharing"])
+    if "tiers" in report:
+        from .bench_tiers import format_tiers
+        lines += format_tiers(report["tiers"])
     if "trail" in report:
         lines.append("  audit trail, bytes per request (tiny-random, 200 requests, 4 tenants, prefix caching on):")
         for level, size in report["trail"]["bytes_per_request"].items():

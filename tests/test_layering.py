@@ -28,7 +28,8 @@ LAYERS = (
     ("minikv.audit", "minikv.serve", "minikv.attacks"),  # tools that drive or read an engine
     ("minikv.viz", "minikv.edge", "minikv.grading", "minikv.gateway"),  # built on those tools
     ("minikv", "minikv.cli", "minikv.__main__", "minikv.bench", "minikv.bench_fairness",  # entry points
-     "minikv.bench_sharing", "minikv.bench_engine", "minikv.bench_prefill", "minikv.bench_base"),
+     "minikv.bench_sharing", "minikv.bench_engine", "minikv.bench_prefill", "minikv.bench_base",
+     "minikv.bench_tiers", "minikv.bench_ttft_scan"),
 )
 ENTRY_POINTS = LAYERS[-1]
 #: modules that belong to a unit other than their own name: the trail's file writer is part of

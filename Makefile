@@ -17,7 +17,7 @@
 #                 installed without pins, frozen); review the diff, then `make test`
 # Installs are pinned: .venv gets exactly the versions in constraints.txt, and is
 # re-installed when pyproject.toml or constraints.txt changes.
-# Knobs: PYTHON (base interpreter), PORT, PYTEST_ARGS, TEST_WORKERS (pytest processes, default 0: one), GPU_CHECK_ARGS (e.g. --report DIR), MINIKV_HOME (model cache),
+# Knobs: PYTHON (base interpreter), PORT, PYTEST_ARGS, TEST_WORKERS (pytest processes; default: one per core and 8 GB, 0 = one), GPU_CHECK_ARGS (e.g. --report DIR), MINIKV_HOME (model cache),
 #        MINIKV_TORCH=system (reuse the base python's torch), see scripts/bootstrap.py.
 
 PYTHON ?= python3
@@ -28,7 +28,7 @@ MODEL := smollm2-135m-instruct
 NOTEBOOKS := $(wildcard course/*.ipynb)
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
-.PHONY: setup upgrade-deps model kernels chromium course test test-all test-py test-nb test-thorough grade hint bench gpu-check bench-peers clean vllm vllm-start vllm-stop redis redis-stop gu-data
+.PHONY: setup upgrade-deps model kernels chromium course test test-all test-suite test-py test-nb test-thorough grade hint bench gpu-check bench-peers clean vllm vllm-start vllm-stop redis redis-stop gu-data
 
 setup:
 	@$(PYTHON) scripts/bootstrap.py
@@ -70,7 +70,7 @@ test-all: model chromium
 	  else echo "[vllm] not installed (make vllm): vllm-marked tests skip, lesson 11 uses minikv serve"; fi; \
 	if command -v redis-server >/dev/null 2>&1; then $(REDIS_SERVER) start || exit 1; \
 	  else echo "[redis] not installed (apt-get install -y redis-server): redis-marked tests skip"; fi; \
-	trap '$(VLLM_SERVER) stop; $(REDIS_SERVER) stop' EXIT; $(MAKE) --no-print-directory test-py test-nb
+	trap '$(VLLM_SERVER) stop; $(REDIS_SERVER) stop' EXIT; $(MAKE) --no-print-directory test-suite
 
 # vLLM's CPU build in .venv-vllm (its own pins; see scripts/vllm_env.py), ~3 GB.
 vllm: setup
@@ -89,10 +89,15 @@ redis:
 redis-stop:
 	@$(REDIS_SERVER) stop
 
-# TEST_WORKERS=N runs pytest in N processes (pytest-xdist), a test file per worker at a time; the
-# default 0 is one process.  Measured on the 2-core machine, a learner's clone: 2 workers took pytest
-# to 13 min 14 s but the process tree to 15.9 GB resident, too much beside CI's vLLM; see docs/INSTALL.md.
-TEST_WORKERS ?= 0
+# TEST_WORKERS=N runs the suite in N processes (pytest-xdist), a test file or a lesson per worker at a
+# time; 0 is one process.  Default: one per core, at most one per 8 GB (scripts/test_workers.py): 2 on the
+# 2-core, 24 GB course machine.  CI sets 0 (.ci/run): vLLM's server runs beside the suite there.
+TEST_WORKERS ?= $(shell $(PYTHON) scripts/test_workers.py)
+# pytest over tests/ and nbval over the lessons in one session, so the workers share the whole load.
+test-suite: model chromium
+	MINIKV_EXERCISES=solutions $(PYTEST) -n $(TEST_WORKERS) --dist loadfile --nbval --nbval-current-env \
+		--nbval-sanitize-with tests/nbval_sanitize.cfg tests $(NOTEBOOKS) $(PYTEST_ARGS)
+
 test-py: model chromium
 	$(PYTEST) -n $(TEST_WORKERS) --dist loadfile tests $(PYTEST_ARGS)
 

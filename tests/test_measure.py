@@ -35,3 +35,21 @@ def test_a_small_command_is_small_and_the_budget_warns_only_above_it():
 def test_no_command_is_refused():
     out = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "no command given" in out.stderr
+
+
+def test_make_test_runs_one_worker_per_core_and_8_gb():
+    """scripts/test_workers.py: TEST_WORKERS' default.  Two or more workers only where both the cores and
+    the memory (8 GB each) allow; otherwise 0, pytest in one process."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("test_workers", Path(__file__).resolve().parents[1] / "scripts" / "test_workers.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    G = 1 << 30
+    assert mod.workers(2, 24 * G) == 2      # the course machine
+    assert mod.workers(8, 16 * G) == 2      # a 16 GB laptop: memory decides
+    assert mod.workers(16, 64 * G) == 8
+    assert mod.workers(4, 8 * G) == 0       # one fits: no xdist at all
+    assert mod.workers(1, 64 * G) == 0
+    out = subprocess.run([sys.executable, str(Path(spec.origin))], capture_output=True, text=True, check=True).stdout
+    assert re.fullmatch(r"\d+\n", out), out

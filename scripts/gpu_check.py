@@ -168,7 +168,7 @@ def scan_step(results: list, path: str, device: str) -> None:
     print("\n".join(format_scan(scan)), flush=True)
     if device == "cpu":
         rows = sum(len(s["rows"]) for s in scan.values())
-        results.append(("ttft scan ran (DRY RUN: tiny-random, targets not held)", True,
+        results.append(("ttft scan ran (DRY RUN on tiny-random, targets not held)", True,
                         f"{rows} rows, {time.perf_counter() - t0:.0f} s"))
     else:
         results.extend(verdicts(scan))

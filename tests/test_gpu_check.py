@@ -69,7 +69,7 @@ def test_dry_run_on_the_cpu_runs_every_step_and_summarizes_the_bench(tmp_path):
     for backend in ("reference", "fused"):
         assert re.search(rf"^  ops .* per decode step \(batch 16\) {backend} +\d+", summary, flags=re.M), summary
     # issue 38's TTFT scan: its table, one row per length with both dtypes' cells, and the floor lines
-    assert "ttft scan ran (DRY RUN: tiny-random, targets not held)" in names
+    assert "ttft scan ran (DRY RUN on tiny-random, targets not held)" in names
     table = out[out.index("== TTFT scan"):out.index("== gpu-check summary ==")]
     assert re.search(r"^\| L \| bf16 hit / miss \(ms\) \| bf16 hit/miss \| bf16 p \| bf16 target \| fp32 hit", table, flags=re.M)
     cell = r"\d+\.\d\d / \d+\.\d\d \| \d+\.\d\d \| [\d.e+-]+ \| (PASS|FAIL) \(p < 0\.001\)"

@@ -226,3 +226,36 @@ def test_make_tier_registry():
         h = HostTier(100)
         assert h.put(b"a", b"x" * 60, "t") and h.put(b"b", b"y" * 60, "t")
         assert h.get(b"a") is None and h.get(b"b") == b"y" * 60 and h.nbytes == 60  # bounded: the oldest went
+
+
+# ---------------------------------------------------------------- a tier object, shared by engines in one process
+def test_two_engines_given_one_tier_object_share_it():
+    store = HostTier(1 << 20, name="store", when="store")  # written on store, like the Redis tier
+    one, two = tiered(kv_tiers=["host", store]), tiered(kv_tiers=["host", store])
+    assert one.engine.tiers.tiers[1] is store is two.engine.tiers.tiers[1]
+    first = one.generate([VICTIM], P, tenant="a")[0]
+    assert len(store) == 5  # every full block, stored on full
+    assert two.generate([VICTIM], P, tenant="b")[0].num_cached_tokens == 0  # another tenant: a miss
+    again = two.generate([VICTIM], P, tenant="a")[0]
+    assert again.num_cached_tokens == 16 and two.engine.tiers.hits_by_tier == {"host": 0, "store": 4}
+    assert tokens(again) == tokens(first)
+    assert len(store.items()) == len(store) and all(isinstance(v, bytes) for _, v in store.items())
+
+
+@pytest.mark.parametrize("bad", [object(), 5, None, HostTier])
+def test_a_tier_entry_that_is_neither_a_spec_nor_a_tier_is_refused_naming_it(bad):
+    with pytest.raises(TypeError, match=rf"kv_tiers: .*\({type(bad).__name__}\) is neither a tier spec"):
+        tiered(kv_tiers=["host", bad])
+
+
+@pytest.mark.parametrize("kw,match", [(dict(when="later"), "later"), (dict(name=""), "name")])
+def test_a_host_tier_names_a_bad_name_or_when(kw, match):
+    with pytest.raises(ValueError, match=match):
+        HostTier(1 << 20, **kw)
+
+
+def test_a_tier_object_with_a_bad_when_is_refused_naming_it():
+    store = HostTier(1 << 20, name="store", when="store")
+    store.when = "sometimes"
+    with pytest.raises(ValueError, match="sometimes"):
+        tiered(kv_tiers=[store])

@@ -116,7 +116,9 @@ class EngineConfig:
             as ``"host"`` (bounded, in-process; the pool's LRU evicts into it) and
             ``"redis://127.0.0.1:6390/0"`` (shared by instances; TTL, per-tenant byte budget).
             Empty (default): no tier, the pool is the whole cache.  Instances sharing a store
-            must share ``engine_secret`` (their keys and MACs derive from it).
+            must share ``engine_secret`` (their keys and MACs derive from it).  An entry may also
+            be a tier object (``HostTier(..., name="store", when="store")``), used as it is:
+            engines in one process given the same object share it.
         kv_tier_keys: ``"tenant"`` (default: a block's tier key is its tenant-keyed pool hash) or
             UNSAFE ``"content"`` (the content chain alone: LMCache #4825's ``cache_salt=''``).
         kv_tier_encrypt: seal K/V with per-tenant AES-GCM in the tiers (default); UNSAFE False

@@ -18,6 +18,14 @@ full, so another instance can hit it while this one still holds it -- LMCache's 
 Tiers are a registry by name (``TIERS``), like hashers, scrubbers and sharing strategies; a
 spec string picks one and its options: ``"host"``, ``"host?mib=64"``,
 ``"redis://127.0.0.1:6390/0?ttl=600&budget_mib=64"``.
+
+``kv_tiers`` also takes a tier *object* (anything with ``name``, ``when``, ``put``, ``get`` and
+``evict``: :func:`is_tier`), used as it is.  Engines given the same object share it: that is how
+two instances in one process share a store without Redis (a lesson, a test)::
+
+    store = HostTier(64 << 20, name="store", when="store")   # written on store, like Redis
+    a = LLM("tiny-random", kv_tiers=["host", store], engine_secret=s)
+    b = LLM("tiny-random", kv_tiers=["host", store], engine_secret=s)
 """
 from __future__ import annotations
 
@@ -27,11 +35,13 @@ from urllib.parse import parse_qs, urlsplit
 
 from .checks import show
 
-__all__ = ["KVTier", "HostTier", "TIERS", "TIER_KEYS", "make_tier", "parse_tiers"]
+__all__ = ["KVTier", "HostTier", "TIERS", "TIER_KEYS", "WHEN", "is_tier", "make_tier", "parse_tiers"]
 
 #: ``kv_tier_keys``: "tenant" (the pool's tenant-keyed hash) or UNSAFE "content" (the salt dropped
 #: at the tier boundary: LMCache #4825's ``cache_salt=''``)
 TIER_KEYS = ("tenant", "content")
+#: a tier's ``when``: the transition that writes it
+WHEN = ("evict", "store")
 
 
 class KVTier(Protocol):
@@ -55,13 +65,20 @@ class HostTier:
     """A bounded in-process tier: an LRU of values, ``capacity`` bytes in all.
 
     Holds sealed (encrypted) values even though it is in-process: a core dump or a debug endpoint
-    of a host tier then leaks nothing either, and a block moves between tiers without re-sealing."""
+    of a host tier then leaks nothing either, and a block moves between tiers without re-sealing.
 
-    name, when = "host", "evict"
+    ``name`` and ``when`` default to the host tier's; ``HostTier(n, name="store", when="store")``
+    is an in-process stand-in for a shared store (written on ``store``, like the Redis tier), for
+    engines in one process given the same object (see the module doc)."""
 
-    def __init__(self, capacity: int = 256 << 20):
+    def __init__(self, capacity: int = 256 << 20, *, name: str = "host", when: str = "evict"):
         if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
             raise ValueError(f"host tier capacity must be a positive number of bytes, got {show(capacity)}")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"a tier's name must be a non-empty string, got {show(name)}")
+        if when not in WHEN:
+            raise ValueError(f"a tier's when must be one of {', '.join(WHEN)}, got {show(when)}")
+        self.name, self.when = name, when
         self.capacity, self.nbytes = capacity, 0
         self._values: OrderedDict[bytes, bytes] = OrderedDict()
         self.stats = dict(puts=0, hits=0, misses=0, dropped=0)
@@ -93,6 +110,10 @@ class HostTier:
         if old is not None:
             self.nbytes -= len(old)
 
+    def items(self) -> list[tuple[bytes, bytes]]:
+        """Every ``(key, value)``, oldest first: what a reader of this memory (a dump) sees."""
+        return list(self._values.items())
+
     def clear(self) -> None:
         """Forget everything (a restart of the process, in tests)."""
         self._values.clear()
@@ -119,8 +140,17 @@ def _redis(spec: str, query: dict):
 TIERS = {"host": _host, "redis": _redis}
 
 
-def make_tier(spec: str) -> KVTier:
-    """Build the tier a spec names (see the module doc).  ValueError names a bad spec."""
+def is_tier(obj) -> bool:
+    """True for a tier object (not a spec): a ``name``, a ``when`` and ``put``/``get``/``evict``."""
+    return (not isinstance(obj, str) and isinstance(getattr(obj, "name", None), str)
+            and hasattr(obj, "when") and all(callable(getattr(obj, m, None)) for m in ("put", "get", "evict")))
+
+
+def make_tier(spec) -> KVTier:
+    """Build the tier a spec names (see the module doc); a tier object is returned as it is, to be
+    shared.  ValueError names a bad spec."""
+    if is_tier(spec):
+        return spec
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"a kv tier is a spec string such as 'host' or 'redis://127.0.0.1:6390/0', got {show(spec)}")
     parts = urlsplit(spec)
@@ -134,16 +164,25 @@ def make_tier(spec: str) -> KVTier:
     return tier
 
 
-def parse_tiers(specs) -> tuple[str, ...]:
-    """``kv_tiers`` as a tuple of spec strings (checked, not built: building connects)."""
+def parse_tiers(specs) -> tuple:
+    """``kv_tiers`` as a tuple of spec strings (checked, not built: building connects) and tier
+    objects (kept as they are, so engines given one share it).  TypeError names an entry that is
+    neither."""
     if specs is None:
         return ()
-    if isinstance(specs, str):
+    if isinstance(specs, str) or is_tier(specs):
         specs = (specs,)
     if not isinstance(specs, (list, tuple)):
         raise TypeError(f"kv_tiers must be a list of tier specs, got {type(specs).__name__} ({show(specs)})")
     for s in specs:
-        if not isinstance(s, str) or (urlsplit(s).scheme or urlsplit(s).path) not in TIERS:
+        if is_tier(s):
+            if s.when not in WHEN:
+                raise ValueError(f"kv_tiers: tier {s.name!r} has when={show(s.when)}; valid: {', '.join(WHEN)}")
+            continue
+        if not isinstance(s, str):
+            raise TypeError(f"kv_tiers: {show(s)} ({type(s).__name__}) is neither a tier spec string nor a "
+                            "tier object (name, when, put, get, evict: minikv.engine.kv_tiers.KVTier)")
+        if (urlsplit(s).scheme or urlsplit(s).path) not in TIERS:
             raise ValueError(f"kv_tiers: unknown tier {show(s)}; valid kinds: {', '.join(TIERS)} "
                              "(e.g. 'host', 'redis://127.0.0.1:6390/0')")
     return tuple(specs)

@@ -108,6 +108,35 @@ def test_the_trail_counts_tier_hits_apart_from_pool_hits(tmp_path):
     assert last["num_cached_tokens"] == 16
 
 
+def test_a_deferred_admission_counts_its_tier_hits_once(tmp_path):
+    """Regression: a request the pool cannot hold yet (a hog holds it) used to onload its blocks, be
+    refused, see the hog's decodes evict (offload) them again, and onload them again on every retry:
+    its trail said tier_hit 10 > hit 4, and ``tier_tokens`` 40.  A tier hit is one block the
+    admitted request was served from a tier, counted once (``BlockManager.allocate``)."""
+    llm = tiered(num_blocks=8, audit_log=str(tmp_path / "t.jsonl"))
+    eng = llm.engine
+    first = llm.generate([VICTIM], P, tenant="a")[0]
+    llm.generate([FLOOD[:28]], P, tenant="flood")  # 7 blocks: every VICTIM block goes to the host tier
+    assert eng.tiers.stats["offloaded"] >= 4 and eng.tiers.stats["onloaded"] == 0
+    served = []
+    eng.block_manager.listeners.append(lambda t, ids, seq: served.extend(
+        ids if t == Transition.ONLOAD and seq.request_id == "v" else []))
+    eng.add_request("hog", list(range(200, 220)), SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                    tenant="c")  # 5 blocks, growing to 8 while "v" waits
+    eng.add_request("v", VICTIM, P, tenant="a")
+    outs = {}
+    while eng.has_unfinished_requests():
+        outs.update({o.request_id: o for o in eng.step() if o.finished})
+        eng.check_invariants()
+    eng.audit.close()
+    trail = {e["request_id"]: e for e in map(json.loads, (tmp_path / "t.jsonl").read_text().splitlines())
+             if e.get("event") == "summary"}
+    blocks = trail["v"]["blocks"]
+    assert outs["v"].num_cached_tokens == 16 and tokens(outs["v"]) == tokens(first)
+    assert blocks["tier_hit"] <= blocks["hit"], blocks  # pool hits = hit - tier_hit >= 0
+    assert blocks["tier_hit"] == len(served) == eng.tiers.stats["onloaded"] == 4, (blocks, served, eng.tiers.stats)
+    assert eng.stats["tier_tokens"] == 16 and sum(eng.tiers.hits_by_tier.values()) == 4
+
 def test_a_tampered_value_is_refused_counted_logged_and_recomputed(caplog):
     llm = tiered()
     first = evict_victim(llm)
@@ -186,6 +215,13 @@ def test_bad_settings_leave_a_running_engine_serving():
         llm.fork(kv_tiers=["nosuch"])
     assert tokens(llm.generate([VICTIM], P, tenant="a")[0])
 
+
+def test_the_timing_audit_names_a_bad_prime_url_and_plans_a_good_one():
+    from minikv.audit.timing import run_timing_audit
+    with pytest.raises(ValueError, match="127.0.0.1:8001"):
+        run_timing_audit("http://127.0.0.1:8000/v1", "sk-a", prime_url="127.0.0.1:8001", progress=False)
+    plan = run_timing_audit("http://127.0.0.1:8000/v1", "sk-a", prime_url="http://127.0.0.1:8001/v1", dry_run=True)
+    assert plan.prime_url == "http://127.0.0.1:8001/v1" and "primes to http://127.0.0.1:8001/v1" in plan.describe()
 
 def test_kv_tiers_must_be_a_list():
     with pytest.raises(TypeError, match="kv_tiers"):

@@ -7,7 +7,9 @@ secret file, same Redis database, each with its own tenant-keyed pool.  Under UN
 * is served from blocks another tenant cached through A: ``minikv audit isolation`` pointed at B
   (``--prime-url`` A) fails, in both directions;
 * recovers a PIN another tenant sent to A with the count oracle of lesson 04 (``cached_tokens``),
-  two digits per block, at most 100 probes a block.
+  two digits per block, at most 100 probes a block;
+* is faster on prompts another tenant primed through A: ``minikv audit timing`` pointed at B
+  (``--prime-url`` A) detects it from response times alone.
 
 Under the default ``--kv-tier-keys tenant`` both pass/fail the other way, and the same-tenant
 control -- tenant alice on B hits what alice cached through A -- is positive.
@@ -144,3 +146,40 @@ def test_count_oracle_on_B_recovers_a_pin_sent_to_A_only_under_unsafe_keys(fleet
         assert got == pin and probes <= 200
     else:
         assert got is None
+
+
+#: The timing audit's scale.  On tiny-random a tier hit on B (GET + verify + decrypt per block)
+#: beats a recompute only for long prompts; at ~1,800 tokens (the pool and the model hold 2,048)
+#: the medians measured 200-250 ms (hit) against 320-400 ms (miss) on a loaded 2-core machine.
+#: With 40 trials per arm the audit's one-sided KS gave p ~ 1e-9 .. 1e-14 for real hits and p ~ 0.8
+#: without, so alpha = 1e-4 leaves orders of magnitude on both sides (Gu et al.'s 1e-8 needs more
+#: samples than a test should spend).
+TIMING = ["--samples", "40", "--prompt-tokens", "1800", "--alpha", "1e-4", "--fail-on-detect", "--no-progress"]
+
+
+def _timing_audit(url_b, url_a, key, victim, out, capsys):
+    argv = ["audit", "timing", "--base-url", url_b, "--prime-url", url_a, "--api-key", key,
+            "--out", str(out), *TIMING] + (["--victim-key", victim] if victim else [])
+    rc = main(argv)
+    capsys.readouterr()  # the verdict line; the JSON report holds it all
+    report = json.loads(next(out.glob("timing-*.json")).read_text())
+    r = report["result"]
+    with capsys.disabled():
+        print(f"\n[timing {out.name}] hit median {r['median_hit'] * 1e3:.1f} ms, miss median "
+              f"{r['median_miss'] * 1e3:.1f} ms, p={r['p_value']:.3g}, AUC={r['auc']:.3f}: {report['verdict']}")
+    return rc, report
+
+
+def test_audit_timing_on_B_primed_through_A(fleet, capsys):
+    """Bob primes through A, mallory is timed on B: detected (exit 2) only under UNSAFE content
+    keys.  Under tenant keys the audit passes, and its same-tenant control -- alice primes through
+    A and is timed on B -- detects the cross-instance tier hit, so the pass is not for lack of one."""
+    mode, url_a, url_b, tmp = fleet
+    rc, cross = _timing_audit(url_b, url_a, "sk-mallory", "sk-bob", tmp / "timing-cross", capsys)
+    assert cross["prime_url"] == url_a and cross["separate_victim"] and cross["failures"] == 0
+    if mode == "content":  # UNSAFE: mallory on B is served from bob's blocks, cached through A
+        assert rc == 2 and cross["detected"], cross["verdict"]
+        return
+    assert rc == 0 and not cross["detected"], cross["verdict"]
+    rc, same = _timing_audit(url_b, url_a, "sk-alice", None, tmp / "timing-same", capsys)
+    assert rc == 2 and same["detected"] and not same["separate_victim"], same["verdict"]

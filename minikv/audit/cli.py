@@ -54,7 +54,7 @@ def _cmd_timing(args: argparse.Namespace) -> int:
             prompt_tokens=tokens, prefix_fraction=args.prefix_fraction,
             endpoint="chat" if args.chat else "completions", rate_limit=args.rate_limit, seed=args.seed,
             progress=not args.no_progress, victim_requests=args.victim_requests, alpha=args.alpha,
-            dry_run=args.dry_run, timeout=args.timeout)
+            dry_run=args.dry_run, timeout=args.timeout, prime_url=args.prime_url)
     except (TimingAuditError, httpx.HTTPError, ValueError) as exc:
         return _err(str(exc))
     if isinstance(out, TimingPlan):
@@ -123,6 +123,9 @@ def _add_timing(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", help="attacker key (default $MINIKV_AUDIT_API_KEY)")
     p.add_argument("--victim-key", help="victim key (default $MINIKV_AUDIT_VICTIM_KEY); "
                    "without one the attacker primes itself (per-user caching test)")
+    p.add_argument("--prime-url", metavar="URL",
+                   help="send the priming requests to this other instance (same keys) and time --base-url: "
+                        "audits instances sharing a KV tier (--kv-tier redis://...)")
     p.add_argument("--model", help="model id (default: first entry of GET /models)")
     p.add_argument("--samples", type=int, default=25, help="trials per arm (default 25; Gu et al.: 250)")
     p.add_argument("--prompt-tokens", type=int, default=512, help="approx. prompt length (default 512; Gu: 5000)")

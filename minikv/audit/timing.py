@@ -21,6 +21,12 @@ Protocol (one audit = ``n_samples`` hit trials + ``n_samples`` miss trials):
 Without ``victim_key`` the attacker primes its own prompts: that only tests *per-user* caching
 (a cache exists and is observable), not sharing.
 
+``prime_url`` sends every priming request to *another* instance, while the probes and misses time
+``base_url``: that audits a fleet sharing a KV tier (``minikv serve --kv-tier redis://...``).  With
+a victim key, a detection means the victim's blocks, cached through the other instance, speed up
+the attacker here (LMCache #4825's salt-drop); without one it is the same-tenant control, which
+must be positive for a negative cross-tenant verdict to mean anything.
+
 Prompts are random sequences of common English words; in GPT-2/Llama-style BPE vocabularies each
 is about one token.  A byte-level tokenizer spends several tokens per word, so the warm-up request
 (``WARMUP_WORDS`` words) calibrates: when the server reports ``usage.prompt_tokens`` the word count
@@ -60,23 +66,26 @@ class TimingPlan:
     n_requests: int
     approx_prompt_tokens: int
     separate_victim: bool
+    prime_url: str | None = None
 
     def describe(self) -> str:
         who = "a separate victim key" if self.separate_victim else "the attacker key itself (per-user test)"
+        where = f" (primes to {self.prime_url})" if self.prime_url else ""
         return (f"dry run: would send {self.n_requests} requests (~{self.approx_prompt_tokens:,} prompt "
-                f"tokens, max_tokens=1 each) to {self.base_url} ({self.endpoint}); "
+                f"tokens, max_tokens=1 each) to {self.base_url} ({self.endpoint}){where}; "
                 f"{self.n_samples} hit + {self.n_samples} miss trials, priming by {who}")
 
 
 def plan_timing_audit(base_url: str, n_samples: int = 25, prompt_tokens: int = 512,
                       victim_requests: int = 1, endpoint: str = "completions",
-                      victim_key: str | None = None, model: str | None = None) -> TimingPlan:
+                      victim_key: str | None = None, model: str | None = None,
+                      prime_url: str | None = None) -> TimingPlan:
     """Count requests and prompt tokens: one warm-up, then per hit trial ``victim_requests`` primes
     plus the probe, per miss trial one request (+1 GET /models when the model must be discovered)."""
     n_req = 1 + n_samples * (victim_requests + 1) + n_samples + (model is None)
     tokens = WARMUP_WORDS + n_samples * (victim_requests + 1) * prompt_tokens + n_samples * prompt_tokens
     return TimingPlan(base_url, endpoint, n_samples, victim_requests, prompt_tokens, n_req, tokens,
-                      victim_key is not None)
+                      victim_key is not None, prime_url)
 
 
 def _separate(api_key: str, victim_key: str | None) -> bool:
@@ -106,6 +115,7 @@ class TimingReport:
     elapsed_s: float = 0.0
     n_requests: int = 0
     notes: list[str] = field(default_factory=list)
+    prime_url: str | None = None  # where the priming went, when not to base_url
 
     @property
     def detected(self) -> bool:
@@ -115,13 +125,15 @@ class TimingReport:
     def verdict(self) -> str:
         r = self.result
         nums = f"p={r.p_value:.3g}, AUC={r.auc:.3f}"
+        where = f" across instances (primed via {self.prime_url})" if self.prime_url else ""
         if self.separate_victim:
             if r.detected:
-                return f"CACHE SHARING DETECTED between attacker and victim ({nums})"
-            return f"no evidence of sharing between attacker and victim ({nums}; not a proof of isolation)"
+                return f"CACHE SHARING DETECTED between attacker and victim{where} ({nums})"
+            return f"no evidence of sharing between attacker and victim{where} ({nums}; not a proof of isolation)"
         if r.detected:
-            return f"PROMPT CACHING DETECTED for the attacker's own prompts (per-user; no victim key tested) ({nums})"
-        return f"no evidence of prompt caching, even for the attacker's own prompts ({nums})"
+            return (f"PROMPT CACHING DETECTED for the attacker's own prompts{where} "
+                    f"(per-user; no victim key tested) ({nums})")
+        return f"no evidence of prompt caching, even for the attacker's own prompts{where} ({nums})"
 
     def to_dict(self) -> dict:
         d = asdict(self)  # recurses into the AuditResult
@@ -167,19 +179,22 @@ def run_timing_audit(base_url: str, api_key: str, victim_key: str | None = None,
                      rate_limit: float | None = None, seed: int = 0, progress: bool = True,
                      victim_requests: int = 1, alpha: float = GU_ALPHA, dry_run: bool = False,
                      prompt_salt: str | None = None, timeout: float = 120.0,
-                     max_failures: int | None = None) -> TimingReport | TimingPlan:
+                     max_failures: int | None = None, prime_url: str | None = None) -> TimingReport | TimingPlan:
     """Run the audit (see module docstring).  ``dry_run=True`` returns a TimingPlan, sends nothing.
 
     ``base_url`` is the OpenAI-style root that ends in ``/v1``.  Transient failures (5xx, 429,
     network) drop that trial; more than ``max_failures`` (default 10% of trials) abort with
     TimingAuditError, as does any other 4xx (bad key, unknown model) at once.
+    ``prime_url``: send the priming requests to this other instance (see the module docstring).
     """
     if n_samples < 1 or prompt_tokens < 1 or victim_requests < 1:
         raise ValueError("n_samples, prompt_tokens and victim_requests must all be >= 1")
     if not (0.0 < prefix_fraction <= 1.0):
         raise ValueError(f"prefix_fraction must be in (0, 1], got {prefix_fraction}")
+    if prime_url is not None and not str(prime_url).startswith(("http://", "https://")):
+        raise ValueError(f"prime_url must be an http(s) API root ending in /v1, got {prime_url!r}")
     plan = plan_timing_audit(base_url, n_samples, prompt_tokens, victim_requests, endpoint,
-                             victim_key if _separate(api_key, victim_key) else None, model)
+                             victim_key if _separate(api_key, victim_key) else None, model, prime_url)
     if dry_run:
         return plan
     notes = []
@@ -192,6 +207,7 @@ def run_timing_audit(base_url: str, api_key: str, victim_key: str | None = None,
     words_rng = random.Random(f"{seed}:{salt}")
     max_failures = max(1, len(order) // 10) if max_failures is None else max_failures
     client = Client(base_url, endpoint, model, Pacer(rate_limit), timeout, max_failures)
+    primer = Client(prime_url, endpoint, model, client.pacer, timeout, max_failures) if prime_url else client
     victim = victim_key if victim_key is not None else api_key
     hits: list[float] = []
     misses: list[float] = []
@@ -199,6 +215,7 @@ def run_timing_audit(base_url: str, api_key: str, victim_key: str | None = None,
     try:
         if client.model is None:
             client.model = client.discover_model(api_key)
+        primer.model = client.model  # one fleet, one model
         # Warm-up: opens the keep-alive connection so no trial pays the TCP/TLS handshake,
         # and tells us how many tokens the server's tokenizer makes of our words.
         client.timed(api_key, " ".join(random_words(words_rng, WARMUP_WORDS)), strict=True)
@@ -217,19 +234,22 @@ def run_timing_audit(base_url: str, api_key: str, victim_key: str | None = None,
                     misses.append(dt)
                 continue
             for _ in range(victim_requests):
-                client.timed(victim, " ".join(words))
+                primer.timed(victim, " ".join(words))
             probe = words[:n_shared] + random_words(words_rng, n_words - n_shared)
             dt = client.timed(api_key, " ".join(probe))
             if dt is not None:
                 hits.append(dt)
     finally:
         client.http.close()
+        primer.http.close()
     if not hits or not misses:
         raise TimingAuditError("no successful hit or miss samples; nothing to analyse")
     return TimingReport(
         base_url=base_url, model=client.model, endpoint=endpoint, separate_victim=_separate(api_key, victim_key),
         n_samples=n_samples, prompt_tokens=prompt_tokens, prefix_fraction=prefix_fraction,
         victim_requests=victim_requests, seed=seed, prompt_salt=salt, words_per_prompt=n_words, hit_times=hits, miss_times=misses,
-        result=audit_samples(hits, misses, alpha=alpha), failures=client.failures,
-        elapsed_s=time.perf_counter() - t_start, n_requests=client.sent, notes=notes,
+        result=audit_samples(hits, misses, alpha=alpha),
+        failures=sum(c.failures for c in {client, primer}),
+        elapsed_s=time.perf_counter() - t_start, n_requests=sum(c.sent for c in {client, primer}),
+        notes=notes, prime_url=prime_url,
     )

@@ -108,10 +108,21 @@ class BlockManager(PrefixIndex):
     def allocate(self, seq: Sequence) -> bool:
         """Give a waiting ``seq`` the blocks for all its tokens, reusing prefix hits.
         Returns False (and changes nothing) when the pool cannot hold it."""
-        hits = self.lookup(seq)
+        # The pool is asked first, the tiers only once admission is certain.  Onloading before
+        # the check (as lookup() does) moved blocks for a request that was then refused; the
+        # scheduler retried it later, the running requests' decodes had evicted those blocks in
+        # between, and the retry onloaded them again: the trail's tier_hit outgrew its hit (10 > 4)
+        # and tier_tokens counted blocks nobody used.  Checking first changes no decision: an
+        # onload spends one available block and leaves one fewer to allocate (_onload), so it
+        # never turns a refusal into an admission (nor the reverse); a refused request now moves
+        # and counts nothing, and each tier hit is a block the admitted request uses, counted once.
+        hits: list[int] = []
+        pool_miss = self._match(seq, hits, onload=False)
         num_needed = -(-seq.num_tokens // self.block_size)
         if not self.can_allocate(num_needed - len(hits), hits):
             return False
+        if pool_miss and self.tier is not None:
+            self._match(seq, hits, onload=True, resume=True)
         for bid in hits:
             self._hold(self.blocks[bid], seq)
         self.emit(Transition.HIT, hits, seq)

@@ -69,22 +69,35 @@ class PrefixIndex:
 
     # ---------------------------------------------------------------- prefix lookup
     def lookup(self, seq: Sequence) -> list[int]:
-        """Longest run of cached blocks matching ``seq``'s first full blocks.
+        """Longest run of cached blocks matching ``seq``'s first full blocks (with KV tiers on, a
+        pool miss may be onloaded from a tier: ``BlockManager._onload``).
 
         The hit is capped so that at least one prompt token is computed: the model must run on
         the last token to produce logits for the first output token.
         """
-        if not (self.enable_caching and seq.cacheable):
-            return []
         hits: list[int] = []
-        max_hit = (seq.num_tokens - 1) // self.block_size
-        parent = None
-        for i in range(max_hit):
-            self.num_lookups += 1
-            bid = self.hash_table.get(self.block_hash(seq, i))
-            if bid is None and self.tier is not None:  # a pool miss may still be a tier hit
+        self._match(seq, hits, onload=True)
+        return hits
+
+    def _match(self, seq: Sequence, hits: list[int], *, onload: bool, resume: bool = False) -> bool:
+        """Extend ``hits`` (in place) with the blocks that match ``seq`` after them; onload pool
+        misses from the tiers only if ``onload``.  ``resume``: ``hits`` came from a pool-only match
+        that stopped at a pool miss, so that block is not looked up (nor counted) again.  Returns
+        True when it stopped at a pool miss a tier might fill (``BlockManager.allocate``)."""
+        if not (self.enable_caching and seq.cacheable):
+            return False
+        start, max_hit = len(hits), (seq.num_tokens - 1) // self.block_size
+        parent = self.blocks[hits[-1]].ref if hits else None
+        missed = False
+        for i in range(start, max_hit):
+            bid = None
+            if not (resume and i == start):
+                self.num_lookups += 1
+                bid = self.hash_table.get(self.block_hash(seq, i))
+            if bid is None and onload and self.tier is not None:  # a pool miss may still be a tier hit
                 bid = self._onload(seq, i, hits)
             if bid is None:
+                missed = True
                 break
             block = self.blocks[bid]
             self.work["verified"] += self.block_size
@@ -93,8 +106,8 @@ class PrefixIndex:
                 break
             hits.append(bid)
             parent = block.ref
-        self.num_hits += len(hits)
-        return hits
+        self.num_hits += len(hits) - start
+        return missed
 
     # ---------------------------------------------------------------- registration
     def _register(self, block, h: bytes, identity: BlockIdentity, public: bool) -> None:

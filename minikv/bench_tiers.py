@@ -222,7 +222,7 @@ def format_tiers(r: dict) -> list[str]:
         else:
             lines.append(f"      {label:<14}   skipped (no Redis: `make redis`)")
     if "redis_hit_over_miss" in t:
-        lines.append(f"    redis hit / miss {t['redis_hit_over_miss']:.3f} ({t['redis_hit_ms']:.1f} / {t['miss_ms']:.1f} ms)   "
+        lines.append(f"    redis hit / miss {t['redis_hit_over_miss']:.3f} ({t['redis_hit_ms']:.2f} / {t['miss_ms']:.2f} ms)   "
                      + _verdict(t["redis_hit_over_miss"], TARGETS["redis_hit_over_miss"]))
     lines.append(f"    sealing, per block of {t['block_bytes']:,} bytes: seal (MAC + AES-GCM) {1e6 * t['seal_per_block_s']:.1f} us "
                  f"(MAC alone {1e6 * t['mac_only_per_block_s']:.1f} us), open {1e6 * t['open_per_block_micro_s']:.1f} us")
@@ -230,6 +230,6 @@ def format_tiers(r: dict) -> list[str]:
     if "seal_over_redis_hit" in t:
         lines.append(f"    per redis hit ({t['blocks_per_prefix']} blocks): open {1000 * t['open_per_redis_hit_s']:.2f} ms "
                      f"({1e6 * t['open_per_block_s']:.1f} us/block); open / redis hit {t['seal_over_redis_hit']:.3f} "
-                     f"({1000 * t['open_per_redis_hit_s']:.2f} / {t['redis_hit_ms']:.1f} ms)   "
+                     f"({1000 * t['open_per_redis_hit_s']:.3f} / {t['redis_hit_ms']:.2f} ms)   "
                      + _verdict(t["seal_over_redis_hit"], TARGETS["seal_over_redis_hit"]))
     return lines

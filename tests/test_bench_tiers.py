@@ -20,6 +20,12 @@ def llm():
     return LLM("tiny-random", device="cpu", dtype="float32")
 
 
+def _with_half_ulp(printed: str) -> tuple[float, float]:
+    """A printed decimal and half a unit in its last place: the most its rounding can have moved it."""
+    decimals = len(printed.split(".")[1]) if "." in printed else 0
+    return float(printed), 0.5 * 10.0 ** -decimals
+
+
 def _check(report: dict, text: str, redis: bool) -> None:
     w, t = report["workload"], report["ttft"]
     for k in ("pool_hit_rate", "tier_hit_rate", "recompute"):
@@ -50,8 +56,12 @@ def _check(report: dict, text: str, redis: bool) -> None:
             verdict = "PASS" if t[key] <= TARGETS[key] else "FAIL"
             line = next(x for x in text.splitlines() if label in x)
             assert f"{label} {t[key]:.3f}" in line and f"target <= {TARGETS[key]:g}   {verdict}" in line
-            num, den = map(float, re.search(r"\(([\d.]+) / ([\d.]+) ms\)", line).groups())
-            assert math.isclose(t[key], num / den, rel_tol=0.02, abs_tol=0.002)  # the printed absolutes' quotient
+            # The printed absolutes must be the ratio's own: their quotient, widened by exactly the
+            # rounding of each printed figure (half a unit in its last digit), contains the ratio.
+            num_s, den_s = re.search(r"\(([\d.]+) / ([\d.]+) ms\)", line).groups()
+            (num, hn), (den, hd) = _with_half_ulp(num_s), _with_half_ulp(den_s)
+            assert den > hd, f"{label}: the printed denominator {den_s} ms rounds to nothing"
+            assert (num - hn) / (den + hd) <= t[key] <= (num + hn) / (den - hd), (label, t[key], num_s, den_s)
     else:
         assert "make redis" in report["redis_skipped"] and "make redis" in text
         assert "redis_hit_ms" not in t and re.search(r"redis hit\s+skipped \(no Redis: `make redis`\)", text)

@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import warnings
 
 import pytest
+import torch
 
 from minikv import LLM, SamplingParams, UnsafeSettingWarning
 from minikv.engine.args import add_engine_arguments, engine_kwargs_from_args
 from minikv.engine.kv_tiers import HostTier, make_tier
 from minikv.engine.lifecycle import LIFECYCLE, Transition
 from minikv.security.scrub import ScrubOnAlloc
-from minikv.security.sealing import SealError, Sealer, binding, tier_key
+from minikv.security.sealing import SealError, Sealer, binding, tier_key, tier_space
 
 P = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
 SECRET = b"k" * 32
@@ -157,23 +159,24 @@ def test_a_tampered_value_is_refused_counted_logged_and_recomputed(caplog):
 
 # ---------------------------------------------------------------- the sealing, unit by unit
 GEOM = (2, 4, 2, 16)
+SP = tier_space("0" * 64, "float32", GEOM)
 
 
 def _sealed(secret=SECRET, key=b"k1", model="tiny-random", dtype="float32", geom=GEOM, toks=(1, 2, 3, 4)):
     s = Sealer(secret)
-    return s, s.seal(b"\x01" * 64, binding(tier_key(key), model, dtype, geom, toks), ("domain", b"t"))
+    return s, s.seal(b"\x01" * 64, binding(tier_key(SP, key), model, dtype, geom, toks), ("domain", b"t"))
 
 
 @pytest.mark.parametrize("what,bound", [
-    ("swapped key", binding(tier_key(b"k2"), "tiny-random", "float32", GEOM, (1, 2, 3, 4))),
-    ("other model", binding(tier_key(b"k1"), "smollm2-135m-instruct", "float32", GEOM, (1, 2, 3, 4))),
-    ("other dtype", binding(tier_key(b"k1"), "tiny-random", "bfloat16", GEOM, (1, 2, 3, 4))),
-    ("other geometry", binding(tier_key(b"k1"), "tiny-random", "float32", (2, 8, 2, 16), (1, 2, 3, 4))),
-    ("other tokens", binding(tier_key(b"k1"), "tiny-random", "float32", GEOM, (1, 2, 3, 5))),
+    ("swapped key", binding(tier_key(SP, b"k2"), "tiny-random", "float32", GEOM, (1, 2, 3, 4))),
+    ("other model", binding(tier_key(SP, b"k1"), "smollm2-135m-instruct", "float32", GEOM, (1, 2, 3, 4))),
+    ("other dtype", binding(tier_key(SP, b"k1"), "tiny-random", "bfloat16", GEOM, (1, 2, 3, 4))),
+    ("other geometry", binding(tier_key(SP, b"k1"), "tiny-random", "float32", (2, 8, 2, 16), (1, 2, 3, 4))),
+    ("other tokens", binding(tier_key(SP, b"k1"), "tiny-random", "float32", GEOM, (1, 2, 3, 5))),
 ])
 def test_a_value_opens_only_for_what_it_was_sealed_for(what, bound):
     s, value = _sealed()
-    assert s.open(value, binding(tier_key(b"k1"), "tiny-random", "float32", GEOM, (1, 2, 3, 4)),
+    assert s.open(value, binding(tier_key(SP, b"k1"), "tiny-random", "float32", GEOM, (1, 2, 3, 4)),
                   ("domain", b"t")) == b"\x01" * 64
     with pytest.raises(SealError):
         s.open(value, bound, ("domain", b"t"))
@@ -181,20 +184,44 @@ def test_a_value_opens_only_for_what_it_was_sealed_for(what, bound):
 
 def test_an_outside_write_a_bit_flip_and_another_tenant_are_refused():
     s, value = _sealed()
-    bound = binding(tier_key(b"k1"), "tiny-random", "float32", GEOM, (1, 2, 3, 4))
+    bound = binding(tier_key(SP, b"k1"), "tiny-random", "float32", GEOM, (1, 2, 3, 4))
     _, foreign = _sealed(secret=b"o" * 32)  # sealed by someone without this operator's secret
     for bad in (foreign, b"garbage", value[:-1] + bytes([value[-1] ^ 0x80])):
         with pytest.raises(SealError):
             s.open(bad, bound, ("domain", b"t"))
-    with pytest.raises(SealError, match="decryption"):  # the MAC holds, the tenant's AEAD key does not
+    with pytest.raises(SealError, match="another tenant"):  # the MAC holds, the tenant's AEAD key does not
         s.open(value, bound, ("domain", b"someone else"))
     assert b"\x01" * 16 not in value  # ciphertext: no run of the plaintext survives
 
 
 def test_tier_keys_hold_no_tokens():
-    with pytest.raises(TypeError):
-        tier_key((1, 2, 3))
-    assert tier_key(b"\xab" * 4) == b"minikv/kv/v1/abababab"
+    with pytest.raises(TypeError, match="block_hash"):
+        tier_key(SP, (1, 2, 3))
+    with pytest.raises(TypeError, match="space"):
+        tier_key(b"tiny-random", b"\xab" * 4)  # a model's name is not a space
+    assert tier_key(SP, b"\xab" * 4) == b"minikv/kv/v2/" + SP + b"/abababab"
+
+
+def test_each_model_dtype_and_geometry_has_a_space_of_its_own():
+    spaces = {tier_space(m, d, g) for m in ("0" * 64, "1" * 64) for d in ("float32", "bfloat16")
+              for g in (GEOM, (2, 8, 2, 16))}
+    assert len(spaces) == 8 and all(len(x) == 16 and re.fullmatch(rb"[0-9a-f]{16}", x) for x in spaces)
+    assert tier_space("0" * 64, "float32", GEOM) == SP  # deterministic: every instance agrees
+
+
+def test_the_model_fingerprint_is_of_the_weights_not_the_name():
+    from minikv.engine.loader import from_hf
+    from transformers import LlamaConfig, LlamaForCausalLM
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(cfg)
+    a, b = from_hf(hf, torch.device("cpu")), from_hf(hf, torch.device("cpu"))
+    assert a.fingerprint() == b.fingerprint() and re.fullmatch(r"[0-9a-f]{64}", a.fingerprint())
+    with torch.no_grad():
+        hf.model.layers[1].mlp.down_proj.weight[3, 5] += 1e-3  # a fine-tune that leaves embeddings alone
+    assert from_hf(hf, torch.device("cpu")).fingerprint() != a.fingerprint()
+    assert from_hf(hf.to(torch.bfloat16), torch.device("cpu")).fingerprint() != a.fingerprint()
 
 
 # ---------------------------------------------------------------- settings at the door

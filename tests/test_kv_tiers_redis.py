@@ -79,7 +79,7 @@ def test_unsafe_content_keys_leak_across_instances_and_tenants(store):
 
 
 def _keys(client):
-    return sorted(k for k in client.keys(b"minikv/kv/v1/*"))
+    return sorted(k for k in client.keys(b"minikv/kv/v2/*"))
 
 
 @pytest.mark.parametrize("encrypt", [True, False], ids=["sealed", "cleartext"])  # cleartext: the MAC alone
@@ -93,7 +93,7 @@ def test_a_bad_value_in_redis_is_refused_and_recomputed(store, attack, encrypt):
     values = [client.get(k) for k in keys]  # every value is hit, so block 0's is bad whichever it is
     if attack == "outside write":  # someone with write access but without the operator secret
         for k in keys:
-            client.set(k, b"MKV1" + bytes([encrypt]) + bytes(range(256)) * 8)
+            client.set(k, b"MKV2" + bytes([encrypt]) + bytes(range(256)) * 8)
     elif attack == "bit flip":
         for k, v in zip(keys, values):
             v = bytearray(v)
@@ -102,18 +102,39 @@ def test_a_bad_value_in_redis_is_refused_and_recomputed(store, attack, encrypt):
     elif attack == "swap":  # genuine values, each under another block's key
         for k, v in zip(keys, values[1:] + values[:1]):
             client.set(k, v)
-    elif attack == "other model":  # an engine of another model writes under the same key
+    else:  # another model's (or dtype's) genuine values, filed under this model's names
         client.flushdb()
-        other = a.fork()  # same geometry and dtype; only the model identity it seals with differs
-        other.engine.tiers.model = "another-model"
+        if attack == "other model":
+            other = a.fork()  # same geometry and dtype; only the weights' fingerprint it seals with differs
+            other.engine.tiers.model = "f" * 64
+        else:  # a bfloat16 instance of the same model shares the store and the secret
+            other = instance(url, dtype="bfloat16", kv_tier_encrypt=encrypt)
         send(other, "alice")
-    else:  # a bfloat16 instance of the same model shares the store and the secret
-        client.flushdb()
-        send(instance(url, dtype="bfloat16", kv_tier_encrypt=encrypt), "alice")
+        theirs, ours = other.engine.tiers.space, a.engine.tiers.space
+        assert theirs != ours  # left alone, they would sit in a space of their own (see below)
+        for k in _keys(client):  # a store writer, or a fleet tool copying between spaces, relabels them
+            client.rename(k, k.replace(theirs, ours))
     assert len(_keys(client)) == 5
     out = send(b, "alice")
     assert b.engine.tiers.stats["refused"] == 1 and b.engine.tiers.stats["onloaded"] == 0
     assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == reference
+
+
+def test_models_and_dtypes_share_one_store_without_touching_each_others_values(store):
+    """A mixed fleet: fp32 and bf16 engines of one model on one Redis.  Each files its blocks in its
+    own space (model fingerprint, dtype, geometry), so neither looks up, refuses or deletes the
+    other's, and each one's second instance hits its own kind."""
+    url, client = store
+    a32, a16 = instance(url), instance(url, dtype="bfloat16")
+    send(a32, "alice")
+    send(a16, "alice")
+    keys = _keys(client)
+    assert len(keys) == 10 and len({k.split(b"/")[3] for k in keys}) == 2
+    for llm in (a32, a16):
+        b = llm.fork()
+        assert send(b, "alice").num_cached_tokens == 16
+        assert b.engine.tiers.stats["refused"] == 0 and b.engine.tiers.stats["onloaded"] == 4
+    assert _keys(client) == keys  # nothing refused, so nothing dropped
 
 
 def test_a_dump_of_redis_holds_no_kv_the_inversion_can_read(store):
@@ -137,15 +158,16 @@ def test_keys_name_no_tokens_or_tenants_and_values_expire(store):
     a = instance(url + "?ttl=120")
     send(a, "alice")
     keys = client.keys(b"*")
-    kv = [k for k in keys if k.startswith(b"minikv/kv/v1/")]
-    assert len(kv) == 5 and all(re.fullmatch(rb"minikv/kv/v1/[0-9a-f]{64}", k) for k in kv)
+    kv = [k for k in keys if k.startswith(b"minikv/kv/v2/")]
+    space = a.engine.tiers.space
+    assert len(kv) == 5 and all(re.fullmatch(rb"minikv/kv/v2/" + space + rb"/[0-9a-f]{64}", k) for k in kv)
     assert not any(b"alice" in k for k in keys)  # the budget counter is under an opaque tag
     assert all(0 < client.ttl(k) <= 120 for k in keys)
 
 
 def test_the_per_tenant_byte_budget_caps_one_tenant_not_the_others(store):
     url, client = store
-    value = 5 + 32 + 12 + 2 * 4 * 2 * 2 * 16 * 4 + 16  # header, MAC, nonce, one block, GCM tag
+    value = 5 + 12 + 2 * 4 * 2 * 2 * 16 * 4 + 16  # header, nonce, one block, GCM tag (the MAC)
     a = instance(url + f"?budget_mib={2.5 * value / 2**20}")
     send(a, "alice")  # 5 blocks; the budget holds 2
     redis_tier = a.engine.tiers.tiers[0]

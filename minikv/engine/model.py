@@ -13,7 +13,8 @@ layer does two big matmuls instead of five smaller ones.  Inputs are a *flat* ba
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from dataclasses import astuple, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +51,10 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class Layer:
     """Weights of one decoder layer (plain tensors; no nn.Module machinery needed)."""
 
+    #: The weights ``loader.from_hf`` gives every layer (a bias may be None), in a fixed order.
+    WEIGHTS = ("input_norm", "post_norm", "qkv", "qkv_bias", "o_proj", "o_bias",
+               "gate_up", "gate_up_bias", "down", "down_bias")
+
     def __init__(self, w: dict[str, torch.Tensor]):
         self.__dict__.update(w)
 
@@ -68,6 +73,27 @@ class LlamaModel:
     @property
     def device(self) -> torch.device:
         return self.embed.device
+
+    def fingerprint(self) -> str:
+        """A digest of exactly these weights (SHA-256 over the shape and every tensor's bytes).
+
+        It names *which model* wrote a K/V block that leaves the process (a KV tier): two engines
+        agree on it only if their K/V would agree.  A model's path or name would not do: the same
+        checkpoint under two paths would never share, and two fine-tunes of one base (often with
+        the base's embeddings, frozen) under one name would share K/V that differ.  Hashing every
+        weight is the only cheap test that cannot be fooled by a copy: SmolLM2-135M in fp32 is
+        540 MB, hashed once per model object (engines that share weights share the result).
+        """
+        if getattr(self, "_fingerprint", None) is None:
+            h = hashlib.sha256(repr(("minikv/model-fingerprint/v1", astuple(self.shape), self.rope_scale)).encode())
+            tensors = [self.embed, self.norm, self.lm_head, self.inv_freq]
+            tensors += [getattr(L, n, None) for L in self.layers for n in Layer.WEIGHTS]
+            for t in tensors:  # None (no bias) is hashed as a marker, so a missing bias is not a shift
+                h.update(b"-" if t is None else repr((t.dtype, tuple(t.shape))).encode())
+                if t is not None:
+                    h.update(t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy())
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]

@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from ..security.sealing import SealError, Sealer, binding, tier_key
+from ..security.sealing import SealError, Sealer, binding, tier_key, tier_space
 from .kv_tiers import make_tier
 from .lifecycle import Transition
 
@@ -36,29 +36,35 @@ log = logging.getLogger("minikv.tiers")
 
 
 class TierLink:
-    def __init__(self, config, pool, blocks, hasher, secret: bytes, tiers=None):
+    def __init__(self, config, pool, blocks, hasher, secret: bytes, model, tiers=None):
         self.pool, self.pool_blocks, self.hasher, self.mode = pool, blocks, hasher, config.kv_tier_keys
         self.tiers = list(tiers) if tiers is not None else [make_tier(s) for s in config.kv_tiers]
         self.sealer = Sealer(secret, encrypt=config.kv_tier_encrypt)
         self.bs = pool.block_size
-        self.model = str(config.model)
+        self.model = model.fingerprint()  # the weights' digest, not a path: see LlamaModel.fingerprint
         self.dtype = str(pool.dtype).removeprefix("torch.")
         self.geometry = (pool.num_layers, pool.block_size, pool.num_kv_heads, pool.head_dim)
         self.nbytes = pool.kv_blocks[0][0].nbytes * pool.num_layers  # one block, every layer, K and V
         self.stats = dict(offloaded=0, stored=0, onloaded=0, refused=0, misses=0, seal_s=0.0, open_s=0.0)
         self.hits_by_tier = {t.name: 0 for t in self.tiers}
+        self._scratch = bytearray(self.nbytes)  # fetch decrypts here; load copies it into the pool
 
     # ---------------------------------------------------------------- what a block is, in a tier
+    @property
+    def space(self) -> bytes:
+        """This engine's part of the store (model, dtype, geometry): see ``sealing.tier_space``."""
+        return tier_space(self.model, self.dtype, self.geometry)
+
     def key_of(self, seq, i: int) -> bytes:
         """The tier key of ``seq``'s block ``i``: its pool hash (tenant-keyed), or under UNSAFE
         ``"content"`` the chain of its tokens alone."""
         if self.mode == "tenant":
-            return tier_key(seq.block_hashes[i])
+            return tier_key(self.space, seq.block_hashes[i])
         chain = seq.tier_hashes
         while len(chain) <= i:
             j = len(chain)
             chain.append(self.hasher(chain[j - 1] if j else None, seq.block_tokens(j, self.bs), (), None))
-        return tier_key(chain[i])
+        return tier_key(self.space, chain[i])
 
     def domain_of(self, seq, i: int) -> tuple:
         """The encryption domain: the block's tenant key (a public block: "public"); one shared
@@ -108,7 +114,8 @@ class TierLink:
 
     # ---------------------------------------------------------------- tiers -> pool
     def fetch(self, seq, i: int):
-        """A verified payload for ``seq``'s block ``i`` from the first tier that has one, or None."""
+        """A verified payload for ``seq``'s block ``i`` from the first tier that has one, or None.
+        The payload is this link's scratch buffer: valid until the next ``fetch`` (``load`` it first)."""
         key = self.key_of(seq, i)
         tokens, domain = seq.block_tokens(i, self.bs), self.domain_of(seq, i)
         bound = self._bound(key, tokens)
@@ -118,7 +125,7 @@ class TierLink:
                 continue
             t0 = time.perf_counter()
             try:
-                payload = self.sealer.open(value, bound, domain)
+                payload = self.sealer.open(value, bound, domain, out=self._scratch)
                 if len(payload) != self.nbytes:
                     raise SealError(f"payload of {len(payload)} bytes, expected {self.nbytes}")
             except SealError as exc:
@@ -133,9 +140,10 @@ class TierLink:
         self.stats["misses"] += 1
         return None
 
-    def load(self, bid: int, payload: bytes) -> None:
-        """Copy a verified payload into pool block ``bid`` (every slot: nothing stale survives)."""
-        src = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.pool.dtype)
+    def load(self, bid: int, payload: bytearray) -> None:
+        """Copy a verified payload (``Sealer.open``'s writable bytes) into pool block ``bid`` (every
+        slot: nothing stale survives)."""
+        src = torch.frombuffer(payload, dtype=torch.uint8).view(self.pool.dtype)
         self.pool._kv[:, bid].copy_(src.view(self.pool._kv[:, bid].shape))
         self.stats["onloaded"] += 1
 
@@ -145,7 +153,7 @@ def attach_tiers(engine) -> "TierLink | None":
     c, bm = engine.config, engine.block_manager
     if not c.kv_tiers:
         return None
-    link = TierLink(c, engine.pool, bm.blocks, bm.hasher, engine._secret)
+    link = TierLink(c, engine.pool, bm.blocks, bm.hasher, engine._secret, engine.model)
     bm.tier = link
     bm.listeners.append(link.on_block_event)
     return link

@@ -5,20 +5,29 @@ can *write* to a shared store can hand an engine K/V it never computed -- cache 
 level below the pool.  Whoever can *read* it reads every tenant's K/V, and lesson 05's layer-0
 inversion turns K/V back into prompt tokens.  So every block leaves the process sealed:
 
-* **The key** (:func:`tier_key`) is ``minikv/kv/v1/`` + the hex of the block hash the pool
-  already uses: chained over the whole prefix and keyed with the tenant's server-side key.  No
-  token id or text appears in it; a reader of the store learns only opaque 32-byte names.
+* **The key** (:func:`tier_key`) is ``minikv/kv/v2/``, then the engine's *space*
+  (:func:`tier_space`: a digest of the model's weights, the dtype and the block geometry), then
+  the hex of the block hash the pool already uses: chained over the whole prefix and keyed with
+  the tenant's server-side key.  No token id or text appears in it; a reader of the store learns
+  only opaque names.  The space lets a fleet of mixed models and dtypes share one store: each
+  engine looks up only values it could use, and never overwrites (or, refusing them, deletes)
+  another model's.
   (UNSAFE ``kv_tier_keys="content"`` uses the same chain *without* the tenant key: LMCache
   #4825's ``cache_salt=''``, where two tenants' identical prefixes share one name.)
-* **Integrity**: the value carries ``HMAC-SHA256(mac_key, binding || body)``.  The *binding*
-  (:func:`binding`) names what the K/V are: the tier key, the model, the dtype, the block
-  geometry and the block's tokens.  The tokens are bound but never stored: the engine knows which
-  tokens it is looking up, so a value computed for other tokens (a hash collision, a swapped
-  key) fails the MAC exactly as an outside write does.  A failing value is never used.
+* **Integrity**: every value is authenticated over its *binding* (:func:`binding`), which names
+  what the K/V are: the tier key, the model, the dtype, the block geometry and the block's
+  tokens.  The tokens are bound but never stored: the engine knows which tokens it is looking
+  up, so a value computed for other tokens (a hash collision, a swapped key) fails exactly as an
+  outside write does.  A failing value is never used.
 * **Secrecy**: the body is the K/V encrypted with AES-256-GCM under a key derived from the
   operator secret and the block's *domain* (the tenant, or "public" for an operator-declared
-  shared prefix), with the binding as associated data.  UNSAFE ``kv_tier_encrypt=False`` stores
-  the raw bytes, as LMCache and SGLang's HiCache do today.
+  shared prefix), with the binding and the value's header as associated data.  GCM is an AEAD:
+  its tag *is* the MAC, under a key only the operator's engines can derive, so a sealed value
+  carries no second one.  (Version 1 of this format also put an HMAC-SHA256 over every
+  ciphertext: the same guarantee, paid twice -- it was 60% of the cost of opening a block.)
+* UNSAFE ``kv_tier_encrypt=False`` stores the raw bytes, as LMCache and SGLang's HiCache do
+  today -- but still with ``HMAC-SHA256(mac_key, binding || header || body)``: integrity is never
+  optional, only secrecy is.
 
 Every key is derived on the server from the engine secret with typed, length-prefixed fields
 (:func:`~minikv.security.encoding.encode_fields`, one versioned label per purpose); no client
@@ -26,6 +35,7 @@ names or chooses one.  ``cryptography`` is imported only when a sealer is built.
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 import struct
@@ -33,13 +43,13 @@ import struct
 from .encoding import encode_fields
 from .keys import check_secret
 
-__all__ = ["NAMESPACE", "SealError", "Sealer", "binding", "tier_key", "derive_tier_keys"]
+__all__ = ["NAMESPACE", "SealError", "Sealer", "binding", "tier_key", "tier_space", "derive_tier_keys"]
 
-NAMESPACE = b"minikv/kv/v1/"  # versioned: a new value format gets a new namespace, never a clash
+NAMESPACE = b"minikv/kv/v2/"  # versioned: a new value format gets a new namespace, never a clash
 MAC_LABEL = "minikv/tier-mac/v1"
 AEAD_LABEL = "minikv/tier-aead/v1"
 BUDGET_LABEL = "minikv/tier-budget/v1"
-_MAGIC = b"MKV1"
+_MAGIC = b"MKV2"
 _FLAGS = struct.Struct(">4sB")  # magic, 1 = encrypted
 _MAC_LEN, _NONCE_LEN = 32, 12
 
@@ -48,11 +58,21 @@ class SealError(ValueError):
     """A stored value failed verification (bad MAC, wrong format, failed decryption)."""
 
 
-def tier_key(block_hash: bytes) -> bytes:
-    """The store key of a block: the namespace + the hex of its (tenant-keyed, chained) hash."""
+def tier_space(model: str, dtype: str, geometry: tuple[int, ...]) -> bytes:
+    """The part of every key an engine writes that says which K/V it can use: 16 hex digits of
+    a digest of its model (:meth:`~minikv.engine.model.LlamaModel.fingerprint`), dtype and block
+    geometry.  Not a secret and not a MAC: the binding still checks all three on every value."""
+    digest = hashlib.sha256(encode_fields("minikv/tier-space/v1", model, dtype, tuple(geometry))).hexdigest()
+    return digest[:16].encode()
+
+
+def tier_key(space: bytes, block_hash: bytes) -> bytes:
+    """The store key of a block: namespace / space / the hex of its (tenant-keyed, chained) hash."""
+    if not isinstance(space, bytes) or len(space) != 16:
+        raise TypeError(f"space must be the 16 bytes tier_space returns, got {space!r}")
     if not isinstance(block_hash, (bytes, bytearray)) or not block_hash:
         raise TypeError(f"block_hash must be non-empty bytes, got {type(block_hash).__name__}")
-    return NAMESPACE + bytes(block_hash).hex().encode()
+    return NAMESPACE + space + b"/" + bytes(block_hash).hex().encode()
 
 
 def binding(key: bytes, model: str, dtype: str, geometry: tuple[int, ...], tokens) -> bytes:
@@ -98,31 +118,50 @@ class Sealer:
 
     def seal(self, payload: bytes, bound: bytes, domain: tuple) -> bytes:
         """``payload`` (a block's K/V bytes) sealed for ``bound`` (:func:`binding`) in ``domain``
-        (``("tenant", name)``, ``("public",)``, or ``("shared",)`` under the UNSAFE content keys)."""
+        (``("domain", key)``, ``("public",)``, or ``("shared",)`` under the UNSAFE content keys).
+
+        Encrypted: ``header | nonce | AES-GCM(payload, aad = bound | header)``.
+        Cleartext (UNSAFE): ``header | HMAC-SHA256(bound | header | payload) | payload``."""
+        head = _FLAGS.pack(_MAGIC, int(self.encrypt))
         if self.encrypt:
             nonce = os.urandom(_NONCE_LEN)  # random 96-bit nonces: safe far beyond 2**32 values per key
-            body = nonce + self._aead(domain).encrypt(nonce, payload, bound)
-        else:
-            body = payload
-        head = _FLAGS.pack(_MAGIC, int(self.encrypt))
-        mac = hmac.digest(self._mac_key, bound + head + body, "sha256")
-        return head + mac + body
+            return head + nonce + self._aead(domain).encrypt(nonce, payload, bound + head)
+        h = hmac.new(self._mac_key, bound + head, "sha256")
+        h.update(payload)  # not bound + head + payload: that would copy the block once more
+        return head + h.digest() + payload
 
-    def open(self, value: bytes, bound: bytes, domain: tuple) -> bytes:
-        """The payload of a sealed ``value``, or :class:`SealError` if anything fails to verify."""
+    def open(self, value: bytes, bound: bytes, domain: tuple, out: bytearray | None = None) -> bytearray:
+        """The payload of a sealed ``value``, or :class:`SealError` if anything fails to verify.
+
+        The payload comes back as a writable ``bytearray`` that the caller may hand to
+        ``torch.frombuffer`` as is: ``out`` if given (and the right size), else a fresh one.  A
+        block is ~0.7 MB on SmolLM2, and every copy or fresh buffer of it (a slice of ``bytes``
+        copies; a new large buffer is page-faulted in) costs a fair part of its decryption."""
         head_len = _FLAGS.size
-        if not isinstance(value, (bytes, bytearray)) or len(value) < head_len + _MAC_LEN:
+        if not isinstance(value, (bytes, bytearray)) or len(value) < head_len + max(_MAC_LEN, _NONCE_LEN + 16):
             raise SealError("value too short to be a sealed block")
         magic, encrypted = _FLAGS.unpack_from(value)
-        head, mac, body = value[:head_len], value[head_len:head_len + _MAC_LEN], value[head_len + _MAC_LEN:]
         if magic != _MAGIC or encrypted != int(self.encrypt):
             raise SealError("wrong format or encryption setting")
-        if not hmac.compare_digest(mac, hmac.digest(self._mac_key, bound + head + body, "sha256")):
+        view, head = memoryview(value), bytes(value[:head_len])
+        if self.encrypt:
+            from cryptography.exceptions import InvalidTag
+            nonce, sealed = view[head_len:head_len + _NONCE_LEN], view[head_len + _NONCE_LEN:]
+            aead = self._aead(domain)
+            try:
+                if hasattr(aead, "decrypt_into"):  # recent cryptography releases: straight into our buffer
+                    n = len(sealed) - 16  # the plaintext: the ciphertext less GCM's tag
+                    out = out if out is not None and len(out) == n else bytearray(n)
+                    aead.decrypt_into(nonce, sealed, bound + head, out)
+                else:
+                    out = bytearray(aead.decrypt(bytes(nonce), bytes(sealed), bound + head))
+            except InvalidTag:
+                raise SealError("authentication failed (outside write, bit flip, swapped key, another "
+                                "model/dtype, or another tenant's key)") from None
+            return out
+        mac, body = view[head_len:head_len + _MAC_LEN], view[head_len + _MAC_LEN:]
+        h = hmac.new(self._mac_key, bound + head, "sha256")
+        h.update(body)
+        if not hmac.compare_digest(mac, h.digest()):
             raise SealError("MAC mismatch (outside write, bit flip, swapped key, or another model/dtype)")
-        if not self.encrypt:
-            return bytes(body)
-        from cryptography.exceptions import InvalidTag
-        try:
-            return self._aead(domain).decrypt(body[:_NONCE_LEN], body[_NONCE_LEN:], bound)
-        except InvalidTag:
-            raise SealError("decryption failed (another tenant's key)") from None
+        return bytearray(body)

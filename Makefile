@@ -62,8 +62,9 @@ REDIS_SERVER := $(PY) scripts/redis_server.py
 # make test prints its own wall clock and peak memory at the end (scripts/measure.py: the largest
 # process, as GNU time counts it, and the whole tree), with the budgets a laptop needs: 15 min, 6 GB.
 test:
-	@$(PYTHON) scripts/measure.py --label "make test" --max-rss-gb 6 --max-minutes 15 -- \
-	  $(MAKE) --no-print-directory test-all
+	@mkdir -p out && rm -f out/test-rss.tsv
+	@MINIKV_RSS_LOG=$(CURDIR)/out/test-rss.tsv $(PYTHON) scripts/measure.py --label "make test" --max-rss-gb 6 \
+	  --max-minutes 15 --rss-log out/test-rss.tsv -- $(MAKE) --no-print-directory test-all
 
 test-all: model chromium
 	@if [ -x .venv-vllm/bin/python ]; then $(VLLM_SERVER) start || exit 1; \

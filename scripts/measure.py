@@ -29,8 +29,9 @@ import time
 GB = 1 << 30
 
 
-def tree_rss(pid: int) -> int:
+def tree_rss(pid: int, per_pid: dict[int, int] | None = None) -> int:
     """Summed resident bytes of ``pid`` and all its descendants, read from ``/proc`` (Linux).
+    ``per_pid``, if given, keeps each descendant's largest RSS seen so far.
 
     Stdlib only, so ``make test`` can measure itself before the venv exists.  A process may end
     between listing and reading: it is simply not counted.
@@ -55,16 +56,55 @@ def tree_rss(pid: int) -> int:
     while todo:
         p = todo.pop()
         total += rss.get(p, 0)
+        if per_pid is not None and rss.get(p, 0) > per_pid.get(p, 0):
+            per_pid[p] = rss[p]
+            if p not in NAMES:
+                NAMES[p] = command_of(p)
         todo += children.get(p, [])
     return total
 
 
-def tree_sampler(pid: int, stop: threading.Event, peak: list[int]) -> None:
-    """Keep ``peak[0]`` at the largest summed RSS of ``pid``'s tree, sampled twice a second."""
+NAMES: dict[int, str] = {}  # pid -> its command line, read when first seen
+
+
+def command_of(pid: int, width: int = 110) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            cmd = fh.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "?"
+    return cmd if len(cmd) <= width else cmd[:width - 3] + "..."
+
+
+def tree_sampler(pid: int, stop: threading.Event, peak: list[int], per_pid: dict[int, int]) -> None:
+    """Keep ``peak[0]`` at the largest summed RSS of ``pid``'s tree, and ``per_pid`` at each
+    process's own largest, sampled twice a second."""
     if not os.path.isdir("/proc"):
         return
     while not stop.wait(0.5):
-        peak[0] = max(peak[0], tree_rss(pid))
+        peak[0] = max(peak[0], tree_rss(pid, per_pid))
+
+
+def module_report(path: str, top: int = 6) -> list[str]:
+    """The test files after which the pytest process was largest (tests/conftest.py writes one
+    line per file to ``$MINIKV_RSS_LOG``: file, RSS at its end before and after the clean-up, and
+    the process's peak so far, in MB): where to look first when the budget is missed."""
+    try:
+        with open(path) as fh:
+            rows = [line.rstrip("\n").split("\t") for line in fh if line.count("\t") == 3]
+    except OSError:
+        return []
+    rows = [(name, float(before), float(after), float(peak)) for name, before, after, peak in rows]
+    out, last_peak = [], 0.0
+    grew = []
+    for name, before, after, peak in rows:
+        grew.append((peak - last_peak, name, before, after, peak))
+        last_peak = max(last_peak, peak)
+    for rise, name, before, after, peak in sorted(grew, reverse=True)[:top]:
+        if rise > 0:
+            out.append(f"  {name}: raised the peak by {rise / 1024:.2f} GB to {peak / 1024:.2f} GB "
+                       f"(at its end {before / 1024:.2f} GB, after clean-up {after / 1024:.2f} GB)")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--label", default="command")
     ap.add_argument("--max-rss-gb", type=float, default=None, help="print a warning above this (largest process)")
     ap.add_argument("--max-minutes", type=float, default=None, help="print a warning above this wall clock")
+    ap.add_argument("--rss-log", default=None, help="tests/conftest.py's per-file RSS log: print where the peak grew")
     ap.add_argument("cmd", nargs=argparse.REMAINDER)
     args = ap.parse_args(argv)
     cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
@@ -79,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("no command given (put it after --)")
     started = time.monotonic()
     proc = subprocess.Popen(cmd)
-    stop, peak = threading.Event(), [0]
-    sampler = threading.Thread(target=tree_sampler, args=(proc.pid, stop, peak), daemon=True)
+    stop, peak, per_pid = threading.Event(), [0], {}
+    sampler = threading.Thread(target=tree_sampler, args=(proc.pid, stop, peak, per_pid), daemon=True)
     sampler.start()
     try:
         rc = proc.wait()
@@ -96,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{largest / GB:.1f} GB{tree}; exit {rc}", flush=True)
     if args.max_rss_gb is not None and largest > args.max_rss_gb * GB:
         print(f"[{args.label}] WARNING: largest process over the {args.max_rss_gb:g} GB budget", flush=True)
+        biggest = sorted(per_pid.items(), key=lambda kv: -kv[1])[:3]
+        for pid, rss in biggest:  # sampled, so a short spike may read a little low
+            print(f"  {rss / GB:.1f} GB  pid {pid}: {NAMES.get(pid, '?')}", flush=True)
+        for line in module_report(args.rss_log) if args.rss_log else []:
+            print(line, flush=True)
     if args.max_minutes is not None and wall > args.max_minutes * 60:
         print(f"[{args.label}] WARNING: over the {args.max_minutes:g}-minute budget", flush=True)
     return rc

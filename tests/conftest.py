@@ -41,7 +41,7 @@ def redis_base():
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _release_memory_after_each_module():
+def _release_memory_after_each_module(request):
     """After a test file, drop what its helpers cached (transformers models, base engines: the
     ``functools`` caches of ``tests/`` modules) and hand the freed heap back to the kernel.
 
@@ -51,6 +51,8 @@ def _release_memory_after_each_module():
     yield
     import gc
     import sys
+
+    before = _rss_mb()
 
     here = os.path.dirname(os.path.abspath(__file__))
     for mod in list(sys.modules.values()):
@@ -63,3 +65,18 @@ def _release_memory_after_each_module():
     gc.collect()
     from minikv.engine.host_memory import give_back_freed_memory
     give_back_freed_memory()
+    log = os.environ.get("MINIKV_RSS_LOG")
+    if log:  # scripts/measure.py --rss-log reads it when make test misses its memory budget
+        import resource
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+        with open(log, "a") as fh:
+            fh.write(f"{request.module.__name__}\t{before:.0f}\t{_rss_mb():.0f}\t{peak:.0f}\n")
+
+
+def _rss_mb() -> float:
+    """This process's resident set now, in MB (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return 0.0

@@ -53,3 +53,16 @@ def test_make_test_runs_one_worker_per_core_and_8_gb():
     assert mod.workers(1, 64 * G) == 0
     out = subprocess.run([sys.executable, str(Path(spec.origin))], capture_output=True, text=True, check=True).stdout
     assert re.fullmatch(r"\d+\n", out), out
+
+
+def test_over_budget_it_names_the_biggest_process_and_the_test_files_that_raised_the_peak(tmp_path):
+    log = tmp_path / "rss.tsv"  # what tests/conftest.py writes: file, MB at its end, after clean-up, peak so far
+    log.write_text("test_small\t300\t290\t310\ntest_engines\t2900\t800\t3100\ntest_after\t900\t850\t3100\n"
+                   "test_lesson_like\t3500\t3400\t3600\n")
+    rc, out = measure(sys.executable, "-c", ALLOC.format(n=300), extra=("--max-rss-gb", "0.1", "--rss-log", str(log)))
+    assert rc == 0 and "WARNING: largest process over the 0.1 GB budget" in out
+    assert re.search(r"0\.[3-9] GB  pid \d+: \S*python\S* -c import time", out), out  # the sampled process, by command
+    lines = [x.strip() for x in out.splitlines() if "raised the peak" in x]
+    assert lines[0].startswith("test_engines: raised the peak by 2.72 GB to 3.03 GB"), lines  # the largest rise first
+    assert lines[1].startswith("test_lesson_like: raised the peak by 0.49 GB"), lines
+    assert not any(x.startswith("test_after") for x in lines)  # raised nothing: not listed

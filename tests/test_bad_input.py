@@ -223,6 +223,7 @@ def no_model_loading(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the model was loaded before the bad setting was rejected")
     monkeypatch.setattr("minikv.llm.load_model", refuse)
+    monkeypatch.setattr("minikv.llm.shared_weights", refuse)  # a cached copy counts as a load too
 
 
 @pytest.mark.parametrize("call,exc,match", [c[1:] for c in TABLE], ids=[c[0] for c in TABLE])

@@ -70,3 +70,30 @@ def test_importing_the_engine_loads_neither_the_hub_nor_the_audit_package():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
                          timeout=120)
     assert out.stdout.strip() == "[]"
+
+
+def test_engines_built_by_name_share_one_copy_of_the_weights_while_any_holds_it(tiny_path, tmp_path):
+    """``build_engine`` loads a checkpoint once per (files, dtype, device) while an engine holds it:
+    a lesson's seven SmolLM2 engines cost one copy.  Each still has its own pool; another dtype,
+    or the checkpoint rewritten, is another load; and the cache alone keeps nothing alive."""
+    import gc
+    import shutil
+    import weakref
+
+    a, b = build_engine(_cfg()), build_engine(_cfg(num_blocks=8))
+    assert a.model is b.model and a.tokenizer is b.tokenizer
+    assert a.pool is not b.pool and a.pool.k_cache.data_ptr() != b.pool.k_cache.data_ptr()
+    assert build_engine(_cfg(dtype="bfloat16")).model is not a.model
+    assert _generate(a, [5, 6, 7]) == _generate(b, [5, 6, 7])
+
+    copy = tmp_path / "tiny"
+    shutil.copytree(tiny_path, copy)
+    c = build_engine(_cfg(model=str(copy)))
+    assert c.model is not a.model                     # another checkpoint path
+    (copy / "config.json").write_text((copy / "config.json").read_text() + "\n")
+    assert build_engine(_cfg(model=str(copy))).model is not c.model   # rewritten in place
+
+    ref = weakref.ref(a.model)
+    del a, b
+    gc.collect()
+    assert ref() is None, "the weights cache kept a model alive after its last engine was gone"

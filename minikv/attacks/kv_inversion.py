@@ -100,13 +100,27 @@ def _as_slots(x: torch.Tensor, table: Layer0Table) -> torch.Tensor:
     return x
 
 
+_NEAREST_CHUNK = 256  # rows of x per distance matrix: 256 x 49,152 fp32 is 50 MB
+
+
 def _nearest(x: torch.Tensor, rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-``k`` nearest table rows (squared L2) for each row of ``x``, non-finite rows -> inf."""
-    d = (x * x).sum(1, keepdim=True) - 2 * x @ rows.T + (rows * rows).sum(1)[None]
-    d = torch.nan_to_num(d, nan=float("inf"), posinf=float("inf"), neginf=float("inf"))
-    d[~torch.isfinite(x).all(1)] = float("inf")
-    dist, idx = torch.topk(d, k, dim=1, largest=False)
-    return dist.clamp_min(0), idx
+    """Top-``k`` nearest table rows (squared L2) for each row of ``x``, non-finite rows -> inf.
+
+    Chunked over ``x``: the distance matrix is [len(x), vocabulary], and a whole pool's slots
+    against SmolLM2's 49,152 rows would need gigabytes (a lesson 05 kernel peaked at 6.7 GB)."""
+    row_sq = (rows * rows).sum(1)[None]
+    dists, idxs = [], []
+    for start in range(0, x.shape[0], _NEAREST_CHUNK):
+        xc = x[start:start + _NEAREST_CHUNK]
+        d = (xc * xc).sum(1, keepdim=True) - 2 * xc @ rows.T + row_sq
+        d = torch.nan_to_num_(d, nan=float("inf"), posinf=float("inf"), neginf=float("inf"))
+        d[~torch.isfinite(xc).all(1)] = float("inf")
+        dist, idx = torch.topk(d, k, dim=1, largest=False)
+        dists.append(dist.clamp_min(0))
+        idxs.append(idx)
+    if not dists:
+        return x.new_zeros((0, k)), torch.zeros((0, k), dtype=torch.long, device=x.device)
+    return torch.cat(dists), torch.cat(idxs)
 
 
 def _rotation_scores(obs: torch.Tensor, raw: torch.Tensor, table: Layer0Table,

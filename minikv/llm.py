@@ -68,6 +68,13 @@ def shared_weights(path, dtype, device) -> tuple:
     return model, tokenizer, hf_config
 
 
+def clear_weights_cache() -> None:
+    """Forget which weights are loaded: the next engine built by name loads its own copy (live
+    engines keep theirs).  For tests and comparisons that need weights no other engine has touched
+    (the fused and paged backends attach their packed copies to the model they are given)."""
+    _LOADED.clear()
+
+
 def build_engine(config: EngineConfig) -> LLMEngine:
     """An :class:`LLMEngine` for ``config``: model name -> checkpoint -> weights, plus the trail."""
     device = resolve_device(config.device)  # a missing device fails here, before the weights load

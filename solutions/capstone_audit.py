@@ -19,7 +19,10 @@ Return one finding per misconfigured node: ``{"node": <its URL as given>, "kind"
 ``tenant_key_dropped``  another tenant's private prompt hits, but the trail never saw two tenants:
                         the tenant is lost on the way to the hash;
 ``first_block_only``    private prompts are isolated -- until they start with the public prefix;
-``weak_hash``           a crafted colliding block (lesson 06) is served from the original's entry.
+``weak_hash``           a crafted colliding block (lesson 06) is served from the original's entry;
+``client_salt_key``     the node keys its cache by a request's ``cache_salt`` alone when one is sent
+                        (vLLM's contract, but with no tenant behind the salt): lesson 12 shows no test
+                        for it -- design one, with a control that proves it could have seen a leak.
 
 Use only public tools and HTTP: ``minikv audit isolation`` (``minikv.audit.isolation_server``),
 ``minikv audit detect`` (run the command: the detector module itself is off limits),
@@ -48,6 +51,13 @@ VOCAB = 259
 def _cached(http, url, key, prompt) -> int:
     r = http.post(f"{url}/completions", headers={"Authorization": f"Bearer {key}"},
                   json={"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0})
+    r.raise_for_status()
+    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def _cached_salted(http, url, key, prompt, salt) -> int:
+    r = http.post(f"{url}/completions", headers={"Authorization": f"Bearer {key}"},
+                  json={"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0, "cache_salt": salt})
     r.raise_for_status()
     return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
@@ -86,6 +96,15 @@ def audit_node(http, url: str, fleet: dict) -> str | None:
     _cached(http, url, alice, block + [50, 51])
     if _cached(http, url, alice, twin + [50, 51]) >= bs:
         return "weak_hash"
+    # 4. (the kind no cell showed) one fresh prompt and one cache_salt, sent by alice, then by bob:
+    # the salt may narrow a tenant's cache, never join two.  Control: alice's repeat must hit,
+    # or a miss for bob proves nothing.
+    salt, secret = os.urandom(8).hex(), os.urandom(12).hex() + " alice's salted notes, private. " * 2
+    _cached_salted(http, url, alice, secret, salt)
+    if _cached_salted(http, url, alice, secret, salt) < bs:
+        raise RuntimeError(f"{url}: alice's own salted repeat did not hit; the salt test cannot see a leak")
+    if _cached_salted(http, url, bob, secret, salt) > 0:
+        return "client_salt_key"
     return None
 # END SOLUTION
 

@@ -80,3 +80,13 @@ def _rss_mb() -> float:
             return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     except OSError:
         return 0.0
+
+
+@pytest.fixture()
+def fresh_weights():
+    """Engines built by name in this test load their own weights (``minikv.llm.clear_weights_cache``):
+    for tests that read what an engine attached to its model (packed copies), which a model shared
+    with an earlier engine would already carry."""
+    from minikv.llm import clear_weights_cache
+    clear_weights_cache()
+    yield clear_weights_cache

@@ -90,10 +90,12 @@ def test_engines_built_by_name_share_one_copy_of_the_weights_while_any_holds_it(
     shutil.copytree(tiny_path, copy)
     c = build_engine(_cfg(model=str(copy)))
     assert c.model is not a.model                     # another checkpoint path
+    assert build_engine(_cfg(model=str(copy))).model is c.model
     (copy / "config.json").write_text((copy / "config.json").read_text() + "\n")
     assert build_engine(_cfg(model=str(copy))).model is not c.model   # rewritten in place
 
-    ref = weakref.ref(a.model)
-    del a, b
+    # a checkpoint no other test's engine holds: when its last engine goes, so do its weights
+    ref = weakref.ref(c.model)
+    del c
     gc.collect()
     assert ref() is None, "the weights cache kept a model alive after its last engine was gone"

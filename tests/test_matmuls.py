@@ -67,7 +67,7 @@ def test_which_steps_pack():
     assert len(packed) == bf16.shape.num_layers and packed is matmuls_for(bf16, exact=False).packed  # packed once
 
 
-def test_bf16_packs_only_where_onednn_has_bf16_kernels(monkeypatch):
+def test_bf16_packs_only_where_onednn_has_bf16_kernels(monkeypatch, fresh_weights):
     """Where oneDNN's bf16 reorder would raise (an AVX2-only CPU), a bf16 engine is built and
     serves on F.linear; fp32 packing is not affected."""
     monkeypatch.setattr(matmuls, "_bf16_packing_supported", lambda: False)
@@ -101,7 +101,7 @@ def test_dense_residual_is_exact_only_when_asked():
 
 
 @needs_packing
-def test_the_engine_packs_when_built_not_mid_request():
+def test_the_engine_packs_when_built_not_mid_request(fresh_weights):
     """The fused engine packs its weights when it is built (``matmuls.prepare``), so no request pays
     the reorder: the first prefix hit of SmolLM2 in fp32 took 360 ms against 95 ms for the next
     ones while packing waited for it.  Requests reuse those packs; the reference backend packs nothing."""
@@ -112,5 +112,7 @@ def test_the_engine_packs_when_built_not_mid_request():
     llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert model._packed is packed and model._packed_head is head
     assert llm.fork().engine.model._packed is packed  # a fork shares the weights and their packs
+    assert LLM("tiny-random", device="cpu", dtype="float32").engine.model._packed is packed  # so does a twin
+    fresh_weights()  # the reference engine below gets weights no fused engine has packed
     ref = LLM("tiny-random", device="cpu", dtype="float32", attention_backend="reference").engine.model
     assert getattr(ref, "_packed", None) is None

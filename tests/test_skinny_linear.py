@@ -219,7 +219,7 @@ def test_the_paged_backend_runs_it_on_decodes_and_prefix_hits_only():
     assert long.get("aten::linear", 0) + long.get("aten::addmm", 0) >= 4 * layers, long
 
 
-def test_which_steps_it_serves():
+def test_which_steps_it_serves(fresh_weights):
     fp32 = LLM("tiny-random", dtype="float32", attention_backend="paged").engine.model
     bf16 = LLM("tiny-random", dtype="bfloat16", attention_backend="paged").engine.model
     # built with the engine, and no second (oneDNN) copy of the fp32 weights
@@ -263,7 +263,7 @@ def test_with_amx_bf16_steps_past_a_few_rows_stay_on_onednn(monkeypatch, amx):
     assert out.shape == (bound + 1, bf16.shape.vocab_size) and "minikv::skinny_linear" not in names, names
 
 
-def test_without_avx512_the_engine_falls_back(monkeypatch):
+def test_without_avx512_the_engine_falls_back(monkeypatch, fresh_weights):
     monkeypatch.setattr(paged_cpu, "skinny_supported", lambda: False)
     llm = LLM("tiny-random", dtype="float32", attention_backend="paged")
     model = llm.engine.model
@@ -306,7 +306,7 @@ def test_bf16_decodes_run_it_and_stay_within_the_bf16_tolerance():
             assert diff <= BF16_TOL * ref[rid].abs().max().item(), (rid, diff)
 
 
-def test_without_avx512_bf16_bf16_steps_keep_onednn(monkeypatch):
+def test_without_avx512_bf16_bf16_steps_keep_onednn(monkeypatch, fresh_weights):
     monkeypatch.setattr(paged_cpu, "skinny_bf16_supported", lambda: False)
     llm = LLM("tiny-random", dtype="bfloat16", attention_backend="paged")
     model = llm.engine.model

@@ -57,7 +57,7 @@ def run_capstone(audit_fleet, seed: int | None = None, timeout: float = 300.0):
     return findings, fleet.info, key, took
 
 
-@grader("audit every node: private prompts across tenants, the public prefix, a crafted collision")
+@grader("audit every node: private prompts across tenants, the public prefix, a crafted collision, a shared salt")
 def check_capstone(audit_fleet, *, seed: int | None = None, timeout: float = 300.0) -> str:
     findings, card, key, took = run_capstone(audit_fleet, seed, timeout)
     nodes = card["nodes"]

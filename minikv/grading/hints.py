@@ -32,7 +32,8 @@ FORBIDDEN_PHRASES: dict[str, list[str]] = {
     "4b": ["wave 1 primes", "one llm.generate call", "re-sends each tenant's own", "copies another tenant's",
            "classify by construction", "out.num_cached_tokens", "tenant=[", "private random documents"],
     "C": ["rounds=1", "fails on shared_cache and tenant_key_dropped", "len(public) // bs", "cross_tenant_hit findings",
-          "every request under one tenant", "poly twin of a fresh block", "poly_collision(", "must not be served"],
+          "every request under one tenant", "poly twin of a fresh block", "poly_collision(", "must not be served",
+          "_cached_salted(", "same salt from both tenants", "bob sends the same salt"],
     "L2": ["second-fastest", "sorted(xs)[1]", "best + margin", "half the gap", "fastest half", "min()"],
 }
 
@@ -179,9 +180,11 @@ HINTS: dict[str, list[str]] = {
            "        for r in reqs:\n"
            "            if d <= len(r['prefix_fps']) <= d + 1:\n"
            "                groups[r['prefix_fps'][d - 1]][r['tail_fp']] = r['num_prompt_tokens']"],
-    "C": ["Lesson 12 ran three tests by hand.  For each of the four kinds, which test fires on it, and on "
-          "which kinds does more than one test fire?  In what order must the tests run so that every node gets "
-          "exactly one kind, and a clean node none?",
+    "C": ["Lesson 12 ran three tests by hand.  For each of the four kinds it showed, which test fires on it, and "
+          "on which kinds does more than one test fire?  In what order must the tests run so that every node gets "
+          "exactly one kind, and a clean node none?  The fifth kind, `client_salt_key`, has no test in the "
+          "lesson: what does a node that trusts the salt let two tenants do that a clean node never does, and "
+          "what must you see on the *same* tenant first for a miss to mean anything?",
           "Two kinds look the same through the API (section 1).  What does a node's published trail know that "
           "the API does not, and what does `minikv audit detect --json` report about it?  Behind the public "
           "prefix (section 2), how many of bob's cached tokens are intended?  Work it out from `/fleet/node`, "
@@ -195,6 +198,7 @@ HINTS: dict[str, list[str]] = {
           "        return \"first_block_only\"\n"
           "    <alice sends a fresh block, then its poly twin>\n"
           "    ...\n"
+          "    <your own test for client_salt_key, with its same-tenant control>\n"
           "    return None"],
 }
 

@@ -32,6 +32,11 @@ The misconfigurations, each one observable from outside:
 ``weak_hash``           ``hash_algo="poly"`` with ``verify_hits=False``: a crafted twin block
                         (lesson 06, :func:`minikv.attacks.collisions.poly_collision`) is served
                         from the original's cache entry.
+``client_salt_key``     the node keys the cache by the request's ``cache_salt`` alone when one is
+                        sent (vLLM's ``cache_salt`` contract, where the salt *is* the isolation,
+                        with no tenant behind it): two tenants who send the same salt share a cache.
+                        Requests without a salt are tenant-keyed, so the isolation audit passes.
+                        **Hidden**: no cell of lesson 12 demonstrates it; the learner designs its test.
 
 Clean nodes are decoys: they declare a public prefix too, and some use ``poly`` *with*
 ``verify_hits=True``, whose collisions are caught by the engine and never served.
@@ -39,6 +44,8 @@ Clean nodes are decoys: they declare a public prefix too, and some use ``poly`` 
 from __future__ import annotations
 
 import argparse
+import contextvars
+import hashlib
 import json
 import os
 import sys
@@ -50,7 +57,9 @@ import numpy as np
 from fastapi import Request  # at module level: FastAPI resolves the routes' annotations here
 from .sealed import make_undumpable
 
-KINDS = ("shared_cache", "tenant_key_dropped", "first_block_only", "weak_hash")
+VISIBLE_KINDS = ("shared_cache", "tenant_key_dropped", "first_block_only", "weak_hash")  # lesson 12 shows each
+HIDDEN_KINDS = ("client_salt_key",)  # no lesson cell shows it: the learner designs the test
+KINDS = VISIBLE_KINDS + HIDDEN_KINDS
 API_KEYS = {"sk-fleet-alice": "alice", "sk-fleet-bob": "bob"}
 AUDITOR_KEY = "sk-fleet-auditor"
 PUBLIC_PREFIXES = ("You are a helpful assistant of the Acme fleet. Answer in one sentence, politely. ",
@@ -63,13 +72,58 @@ def draw_fleet(seed: int, num_nodes: int = 5) -> list[dict]:
     if num_nodes < len(KINDS):
         raise ValueError(f"num_nodes must be >= {len(KINDS)} (one node per kind), got {num_nodes}")
     rng = np.random.default_rng(seed)
-    kinds = [k for k in KINDS if rng.random() < 0.6] or [KINDS[int(rng.integers(len(KINDS)))]]
+    kinds = [k for k in VISIBLE_KINDS if rng.random() < 0.6] or [VISIBLE_KINDS[int(rng.integers(len(VISIBLE_KINDS)))]]
     slots = rng.permutation(num_nodes)[:len(kinds)]
     nodes = [{"kind": None, "public_prefix": PUBLIC_PREFIXES[int(rng.integers(2))],
               "decoy_poly": bool(rng.random() < 0.5)} for _ in range(num_nodes)]
     for kind, slot in zip(kinds, slots):
         nodes[int(slot)]["kind"] = kind
+    # Hidden kinds are drawn last, onto nodes still clean: a seed keeps the visible kinds where they were
+    free = [i for i, n in enumerate(nodes) if n["kind"] is None]
+    for kind in HIDDEN_KINDS:
+        if free and rng.random() < 0.6:
+            nodes[free.pop(int(rng.integers(len(free))))]["kind"] = kind
     return nodes
+
+
+_CLIENT_SALT: contextvars.ContextVar = contextvars.ContextVar("fleet_client_salt", default=None)
+
+
+class SaltFromBody:
+    """ASGI middleware of a ``client_salt_key`` node: reads the request body's ``cache_salt`` (a
+    non-empty string, else None) into a context variable, then hands the app the same body.  The
+    app itself ignores ``cache_salt``; the node's runner (below) is where the misconfiguration is."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        try:
+            salt = json.loads(body).get("cache_salt") if body else None
+        except (ValueError, AttributeError):
+            salt = None
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        token = _CLIENT_SALT.set(salt if isinstance(salt, str) and salt else None)
+        try:
+            await self.app(scope, replay, send)
+        finally:
+            _CLIENT_SALT.reset(token)
 
 
 def _engine_settings(node: dict, secret: bytes, audit_log: str) -> dict:
@@ -111,11 +165,22 @@ def build_node(node: dict, audit_log: str):
             def submit(self, request_id, prompt, params, tenant=None):
                 return super().submit(request_id, prompt, params, None)
         runner_cls = TenantDroppingRunner
+    elif node["kind"] == "client_salt_key":
+        class SaltKeyedRunner(EngineRunner):
+            """The bug behind ``client_salt_key``: a sent salt replaces the tenant as the domain."""
+
+            def submit(self, request_id, prompt, params, tenant=None):
+                salt = _CLIENT_SALT.get()
+                domain = tenant if salt is None else "cache_salt:" + hashlib.sha256(salt.encode()).hexdigest()[:16]
+                return super().submit(request_id, prompt, params, domain)
+        runner_cls = SaltKeyedRunner
     runner = runner_cls(llm.engine, metrics)
     limits = ServeLimits(requests_per_s=None, max_concurrent=None, max_queued=None)
     app = create_app(llm, API_KEYS, model_name="tiny", report_cached_tokens=True, limits=limits,
                      metrics=metrics, runner=runner)
     app.state.fleet_requests = 0
+    if node["kind"] == "client_salt_key":
+        app.add_middleware(SaltFromBody)
 
     @app.middleware("http")
     async def count(request: Request, call_next):

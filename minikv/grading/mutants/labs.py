@@ -222,8 +222,33 @@ def audit_public_hits_are_leaks(fleet):
     return out
 
 
+def audit_salt_per_tenant(fleet):
+    """Tests the salt as a careful client uses it: alice with her salt, bob with his own.  A node that
+    keys by the salt alone isolates two *different* salts perfectly, so the test can never fire:
+    the leak needs the same salt from two tenants (only the salt test is run here; the finding that
+    matters is the missed client_salt_key)."""
+    import os
+
+    import httpx
+
+    (alice, _), (bob, _) = list(fleet["api_keys"].items())[:2]
+    out = []
+    with httpx.Client(timeout=120) as http:
+        for url in fleet["nodes"]:
+            text = os.urandom(8).hex() + " alice's salted notes, private, longer than a block. ?"
+            for key, salt in ((alice, "alice-" + os.urandom(4).hex()), (bob, "bob-" + os.urandom(4).hex())):
+                r = http.post(f"{url}/completions", headers={"Authorization": f"Bearer {key}"},
+                              json={"model": "tiny", "prompt": text, "max_tokens": 1, "temperature": 0,
+                                    "cache_salt": salt})
+                got = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            if got > 0:
+                out.append({"node": url, "kind": "client_salt_key"})
+    return out
+
+
 from .capstone_collision import audit_collision_across_tenants  # noqa: E402  (imports minikv.attacks, which the labs forbid)
 
 LAB_MUTANTS["C"] = entries(("isolation_only", audit_isolation_only),
                            ("public_hits_are_leaks", audit_public_hits_are_leaks),
-                           ("collision_across_tenants", audit_collision_across_tenants))
+                           ("collision_across_tenants", audit_collision_across_tenants),
+                           ("salt_per_tenant", audit_salt_per_tenant))

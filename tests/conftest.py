@@ -7,6 +7,7 @@ Tests that need a private cache set ``MINIKV_HOME`` themselves with ``monkeypatc
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -90,3 +91,20 @@ def fresh_weights():
     from minikv.llm import clear_weights_cache
     clear_weights_cache()
     yield clear_weights_cache
+
+
+@pytest.fixture(scope="session")
+def graded_solutions(tmp_path_factory):
+    """One run of ``python -m minikv.grading.runner solutions --json``: the reference solutions graded
+    as ``make grade`` grades exercises/, in a process of its own.  ``(completed process, results,
+    messages)``; tests/test_grading.py and tests/test_grading_tools.py both read it, so the solutions'
+    graders (L2's five timing secrets take minutes) run once per session, not twice."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("graded") / "solutions.json"
+    done = subprocess.run([sys.executable, "-m", "minikv.grading.runner", "solutions", "--json", str(out)],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=1200)
+    payload = json.loads(out.read_text()) if out.exists() else {"results": {}, "messages": {}}
+    return done, payload["results"], payload["messages"]

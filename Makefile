@@ -17,7 +17,7 @@
 #                 installed without pins, frozen); review the diff, then `make test`
 # Installs are pinned: .venv gets exactly the versions in constraints.txt, and is
 # re-installed when pyproject.toml or constraints.txt changes.
-# Knobs: PYTHON (base interpreter), PORT, PYTEST_ARGS, TEST_WORKERS (pytest processes: 0, the default, is one; N; auto), GPU_CHECK_ARGS (e.g. --report DIR), MINIKV_HOME (model cache),
+# Knobs: PYTHON (base interpreter), PORT, PYTEST_ARGS, TEST_WORKERS (pytest processes: auto, the default, is one per core and 8 GB; 0 is one process; N), GPU_CHECK_ARGS (e.g. --report DIR), MINIKV_HOME (model cache),
 #        MINIKV_TORCH=system (reuse the base python's torch), see scripts/bootstrap.py.
 
 PYTHON ?= python3
@@ -91,9 +91,10 @@ redis-stop:
 	@$(REDIS_SERVER) stop
 
 # TEST_WORKERS=N runs the suite in N processes (pytest-xdist), a test file or a lesson per worker at a
-# time; 0 (the default) is one process; auto is one per core and 8 GB (scripts/test_workers.py).  On the
-# 2-core machine two workers measured no faster than one process and held more memory (docs/INSTALL.md).
-TEST_WORKERS ?= 0
+# time; 0 is one process; auto (the default) is one per core and 8 GB (scripts/test_workers.py).  On the
+# 2-core, 24 GB machine, once engines shared their weights: two workers 16 min 08 s, one process 26 min 38 s
+# (with set-up), largest process 3.4 GB either way (docs/INSTALL.md).
+TEST_WORKERS ?= auto
 WORKERS = $(if $(filter auto,$(TEST_WORKERS)),$(shell $(PYTHON) scripts/test_workers.py),$(TEST_WORKERS))
 # pytest over tests/ and nbval over the lessons in one session, so the workers share the whole load;
 # the 30 slowest tests are listed at the end, where the 15-minute budget is spent (issue 36).

@@ -3,9 +3,9 @@
 
     python scripts/test_workers.py      # prints the number (make test's TEST_WORKERS default)
 
-Each process holds its own engines, transformers models and a notebook kernel at a time: about
-4-5 GB at its peak over the suite, so a 16 GB laptop runs two and an 8 GB one runs one (0: in the
-make process's own pytest, no pytest-xdist).  Stdlib only: ``make`` asks before the venv exists.
+Each process holds its own engines, transformers models and a notebook kernel at a time: up to 3.4 GB
+at its peak over the suite (2026-12-05), 6.6 GB for the tree of two workers, so 8 GB per worker leaves a
+laptop room for everything else (0: in the make process's own pytest, no pytest-xdist).  Stdlib only: ``make`` asks before the venv exists.
 """
 from __future__ import annotations
 

@@ -97,8 +97,10 @@ def fresh_weights():
 def graded_solutions(tmp_path_factory):
     """One run of ``python -m minikv.grading.runner solutions --json``: the reference solutions graded
     as ``make grade`` grades exercises/, in a process of its own.  ``(completed process, results,
-    messages)``; tests/test_grading.py and tests/test_grading_tools.py both read it, so the solutions'
-    graders (L2's five timing secrets take minutes) run once per session, not twice."""
+    messages)``.  Its two readers, test_solution_passes and test_grading_the_solutions_passes, share
+    tests/test_grading.py: ``make test`` hands out whole files to its pytest-xdist workers, and a session
+    fixture is per worker, so in one file the solutions' graders (L2's five timing secrets take minutes)
+    run once per run, not once per worker that reads them."""
     import json
     import subprocess
     import sys

@@ -84,7 +84,7 @@ def test_solution_passes(ex_id, graded_solutions):
     on a *virtual* clock (seeded noise, whatever the machine's load) and its reference recovers every one
     of 30,000 simulated secrets (tests/test_labs.py replays 300); a retry here once hid a reference that
     was wrong for about 1 secret in 130.  The verdicts come from one grading run of solutions/ in its own
-    process (the ``graded_solutions`` fixture, which tests/test_grading_tools.py reads too)."""
+    process (the ``graded_solutions`` fixture, which test_grading_the_solutions_passes below reads too)."""
     ex = BY_ID[ex_id]
     done, results, messages = graded_solutions
     assert ex_id in results, done.stdout[-3000:] + done.stderr[-3000:]
@@ -93,6 +93,18 @@ def test_solution_passes(ex_id, graded_solutions):
     # one verdict line (a grader may print per-finding feedback around it, as the capstone does)
     verdicts = [line for line in out.splitlines() if line.startswith(("✅", "❌"))]
     assert len(verdicts) == 1 and verdicts[0].startswith(f"✅ {ex.check.__name__} passed: "), out
+
+
+def test_grading_the_solutions_passes(graded_solutions):
+    """``make grade`` on solutions/ (the same run the verdicts above read): exit 0 and every exercise
+    passing; the package's own entry point, ``python -m solutions.grade``, is the same main."""
+    done, results, _ = graded_solutions
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert f"{len(GRADED)}/{len(GRADED)} exercises pass" in done.stdout
+    assert sorted(results) == sorted(IDS) and all(results.values())
+    quick = subprocess.run([sys.executable, "-m", "solutions.grade", "1a", "3b"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=600)
+    assert quick.returncode == 0 and "2/2 exercises pass" in quick.stdout, quick.stdout[-2000:] + quick.stderr[-2000:]
 
 
 @pytest.mark.parametrize("ex_id", IDS)

@@ -47,8 +47,8 @@ def _checkpoint_key(path, dtype, device) -> tuple:
     """What makes two loads the same: the checkpoint's files (name, size, mtime), dtype, device.
     A checkpoint rewritten in place (a test's tiny model, a re-conversion) is a new key."""
     path = os.path.realpath(path)
-    files = tuple(sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns)
-                         for e in os.scandir(path) if e.is_file())) if os.path.isdir(path) else ()
+    stats = ((e.name, e.stat()) for e in os.scandir(path) if e.is_file()) if os.path.isdir(path) else ()
+    files = tuple(sorted((name, st.st_size, st.st_mtime_ns) for name, st in stats))
     return path, files, str(dtype), str(device)
 
 

@@ -48,16 +48,11 @@ VOCAB = 259
 
 
 # BEGIN SOLUTION
-def _cached(http, url, key, prompt) -> int:
-    r = http.post(f"{url}/completions", headers={"Authorization": f"Bearer {key}"},
-                  json={"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0})
-    r.raise_for_status()
-    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-
-
-def _cached_salted(http, url, key, prompt, salt) -> int:
-    r = http.post(f"{url}/completions", headers={"Authorization": f"Bearer {key}"},
-                  json={"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0, "cache_salt": salt})
+def _cached(http, url, key, prompt, salt=None) -> int:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    if salt is not None:  # vLLM's per-request cache_salt, as a client sends it
+        body["cache_salt"] = salt
+    r = http.post(f"{url}/completions", headers={"Authorization": f"Bearer {key}"}, json=body)
     r.raise_for_status()
     return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
@@ -100,10 +95,10 @@ def audit_node(http, url: str, fleet: dict) -> str | None:
     # the salt may narrow a tenant's cache, never join two.  Control: alice's repeat must hit,
     # or a miss for bob proves nothing.
     salt, secret = os.urandom(8).hex(), os.urandom(12).hex() + " alice's salted notes, private. " * 2
-    _cached_salted(http, url, alice, secret, salt)
-    if _cached_salted(http, url, alice, secret, salt) < bs:
+    _cached(http, url, alice, secret, salt)
+    if _cached(http, url, alice, secret, salt) < bs:
         raise RuntimeError(f"{url}: alice's own salted repeat did not hit; the salt test cannot see a leak")
-    if _cached_salted(http, url, bob, secret, salt) > 0:
+    if _cached(http, url, bob, secret, salt) > 0:
         return "client_salt_key"
     return None
 # END SOLUTION

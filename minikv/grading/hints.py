@@ -33,7 +33,7 @@ FORBIDDEN_PHRASES: dict[str, list[str]] = {
            "classify by construction", "out.num_cached_tokens", "tenant=[", "private random documents"],
     "C": ["rounds=1", "fails on shared_cache and tenant_key_dropped", "len(public) // bs", "cross_tenant_hit findings",
           "every request under one tenant", "poly twin of a fresh block", "poly_collision(", "must not be served",
-          "_cached_salted(", "same salt from both tenants", "bob sends the same salt"],
+          "secret, salt)", "same salt from both tenants", "bob sends the same salt"],
     "L2": ["second-fastest", "sorted(xs)[1]", "best + margin", "half the gap", "fastest half", "min()"],
 }
 

@@ -182,9 +182,11 @@ LAB_MUTANTS = {
 
 
 # ============================================================================ C capstone
-def _fleet_cached(http, url, key, prompt) -> int:
-    r = http.post(f"{url}/completions", headers={"Authorization": f"Bearer {key}"},
-                  json={"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0})
+def _fleet_cached(http, url, key, prompt, salt=None) -> int:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    if salt is not None:
+        body["cache_salt"] = salt
+    r = http.post(f"{url}/completions", headers={"Authorization": f"Bearer {key}"}, json=body)
     return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
@@ -237,10 +239,7 @@ def audit_salt_per_tenant(fleet):
         for url in fleet["nodes"]:
             text = os.urandom(8).hex() + " alice's salted notes, private, longer than a block. ?"
             for key, salt in ((alice, "alice-" + os.urandom(4).hex()), (bob, "bob-" + os.urandom(4).hex())):
-                r = http.post(f"{url}/completions", headers={"Authorization": f"Bearer {key}"},
-                              json={"model": "tiny", "prompt": text, "max_tokens": 1, "temperature": 0,
-                                    "cache_salt": salt})
-                got = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                got = _fleet_cached(http, url, key, text, salt)
             if got > 0:
                 out.append({"node": url, "kind": "client_salt_key"})
     return out

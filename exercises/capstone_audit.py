@@ -3,7 +3,7 @@
 # then run `make grade` (or the check cell in the lesson).  The imports below are the ones the
 # reference solution uses.  Course maintainers: edit solutions/capstone_audit.py and regenerate; never
 # edit this file by hand.
-# minikv-stub: 6639f74c5c56973c
+# minikv-stub: 40eeddb60a2e0b45
 """Capstone (lesson 12): audit the mystery fleet.
 
 You are the auditor of a fleet of minikv servers.  Some are misconfigured; you do not know which,
@@ -27,8 +27,10 @@ Return one finding per misconfigured node: ``{"node": <its URL as given>, "kind"
 ``first_block_only``    private prompts are isolated -- until they start with the public prefix;
 ``weak_hash``           a crafted colliding block (lesson 06) is served from the original's entry;
 ``client_salt_key``     the node keys its cache by a request's ``cache_salt`` alone when one is sent
-                        (vLLM's contract, but with no tenant behind the salt): lesson 12 shows no test
-                        for it -- design one, with a control that proves it could have seen a leak.
+                        (vLLM's contract, but with no tenant behind the salt).
+
+Lesson 12 works ``shared_cache`` through; the other four tests are yours to design, each with a
+control that proves it could have seen what it looks for.
 
 Use only public tools and HTTP: ``minikv audit isolation`` (``minikv.audit.isolation_server``),
 ``minikv audit detect`` (run the command: the detector module itself is off limits),

@@ -180,25 +180,22 @@ HINTS: dict[str, list[str]] = {
            "        for r in reqs:\n"
            "            if d <= len(r['prefix_fps']) <= d + 1:\n"
            "                groups[r['prefix_fps'][d - 1]][r['tail_fp']] = r['num_prompt_tokens']"],
-    "C": ["Lesson 12 ran three tests by hand.  For each of the four kinds it showed, which test fires on it, and "
-          "on which kinds does more than one test fire?  In what order must the tests run so that every node gets "
-          "exactly one kind, and a clean node none?  The fifth kind, `client_salt_key`, has no test in the "
-          "lesson: what does a node that trusts the salt let two tenants do that a clean node never does, and "
-          "what must you see on the *same* tenant first for a miss to mean anything?",
-          "Two kinds look the same through the API (section 1).  What does a node's published trail know that "
-          "the API does not, and what does `minikv audit detect --json` report about it?  Behind the public "
-          "prefix (section 2), how many of bob's cached tokens are intended?  Work it out from `/fleet/node`, "
-          "not from the prompt.  And a clean node that uses `poly` with verification on: what must your "
-          "collision test not count as a finding?",
+    "C": ["Lesson 12 worked one kind through: a probe, its control, and a second source where two kinds answer "
+          "the probe alike.  For each other kind, what can one tenant (or two together) make that node do that a "
+          "clean node never does?  Which of your probes fire on more than one kind, and in what order must they "
+          "run so that every node gets exactly one kind, and a clean node none?  For `client_salt_key`: what "
+          "must you see on the *same* tenant first for a miss to mean anything?",
+          "Node 0 of the demo fails the isolation audit, yet its trail shows no cross-tenant hit: what does each "
+          "trail line say about who sent the request?  Behind the public prefix (lesson 07, section 5), how many "
+          "of bob's cached tokens are intended?  Work it out from `/fleet/node`, not from the prompt.  Lesson 06 "
+          "crafts two blocks with one `poly` hash: what does a clean node that uses `poly` with verification on "
+          "do with the second, and what must your test therefore not count as a finding?",
           "    report = audit_server(url, fleet[\"api_keys\"], model=card[\"model\"], ...)\n"
           "    if report.verdict == \"fail\":\n"
           "        return ...          # which of two kinds?  ask the trail\n"
-          "    <alice sends public + private text; bob sends the same>\n"
-          "    if bob_cached > ...:    # how many tokens may bob get?\n"
-          "        return \"first_block_only\"\n"
-          "    <alice sends a fresh block, then its poly twin>\n"
-          "    ...\n"
-          "    <your own test for client_salt_key, with its same-tenant control>\n"
+          "    <a probe behind the public prefix>   # how many tokens may bob get?\n"
+          "    <a probe with a crafted twin>        # what does a verifying node serve?\n"
+          "    <a probe with a cache_salt>          # its same-tenant control first\n"
           "    return None"],
 }
 

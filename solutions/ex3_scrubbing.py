@@ -13,7 +13,9 @@ so that no request can ever be handed another request's leftovers.
   reaches those transitions on many paths -- a request that finishes, is preempted or aborted, an
   LRU or quota eviction, an operator's ``reset_prefix_cache`` -- and your decision must be right on
   all of them.  ``PlacedScrubber`` (given, ``minikv.grading.harness``) plugs your decision into
-  the engine's ``Scrubber`` seam, so it runs inside the real engine.
+  the engine's ``Scrubber`` seam, so it runs inside the real engine;
+* 3c ``sneaky_zero_blocks_a`` and ``_b`` -- *write the mutant*: two wrong ``zero_blocks`` that a
+  colleague's quick test passes and 3a's grader catches, each for a different reason.
 
 The pool tensors are ``pool.k_cache`` and ``pool.v_cache``, both shaped
 ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``.
@@ -59,6 +61,38 @@ def zero_blocks(pool, block_ids: list[int]) -> None:
     idx = torch.as_tensor(ids, dtype=torch.long, device=pool.k_cache.device)
     pool.k_cache.index_fill_(1, idx, 0)
     pool.v_cache.index_fill_(1, idx, 0)
+    # END SOLUTION
+
+
+def sneaky_zero_blocks_a(pool, block_ids: list[int]) -> None:
+    """Exercise 3c, "write the mutant" (first of two): a WRONG ``zero_blocks``.
+
+    Contract, for both ``sneaky_zero_blocks_a`` and ``sneaky_zero_blocks_b``:
+
+    * it passes a colleague's quick test of 3a, ``smoke_test`` in ``minikv/grading/written_mutants.py``
+      (lesson 08 prints it): the bug would survive a code review that ran it;
+    * 3a's grader, ``check_zero_blocks``, rejects it: it breaks a promise of 3a's contract;
+    * it runs like a real ``zero_blocks`` on every list of block ids (empty, one, several, repeated):
+      a crash is not a subtle bug;
+    * the two are rejected for different bug classes (the grader prints the class it named).
+
+    Stuck?  ``make hint EX=3c`` (three levels, one per call).
+    """
+    # BEGIN SOLUTION
+    ids = list(block_ids)
+    if ids:  # the keys only: every value of the previous owner stays
+        pool.k_cache[:, ids] = 0
+    # END SOLUTION
+
+
+def sneaky_zero_blocks_b(pool, block_ids: list[int]) -> None:
+    """Exercise 3c, second mutant: see ``sneaky_zero_blocks_a`` for the contract."""
+    # BEGIN SOLUTION
+    ids = list(block_ids)
+    if ids:  # "the ids of one request are consecutive": a slice, so every block in between goes too
+        lo, hi = min(ids), max(ids) + 1
+        pool.k_cache[:, lo:hi] = 0
+        pool.v_cache[:, lo:hi] = 0
     # END SOLUTION
 
 

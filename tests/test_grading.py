@@ -365,3 +365,18 @@ def test_every_topic_takes_at_least_ten_lines_of_the_learners_own_logic():
             elif inside and stripped and not stripped.startswith("#") and stripped != "pass":
                 n += 1
         assert n >= 10, f"{path.name}: only {n} lines of the learner's own logic"
+
+
+def test_3c_smoke_test_passes_a_correct_zero_blocks_and_misses_real_bugs():
+    """Exercise 3c's premise: the colleague's smoke test accepts a correct ``zero_blocks`` and rejects
+    one that does nothing, yet several of 3a's own mutants (bugs its grader names) slip past it, so
+    the learner has real bugs to find, in more than one class."""
+    from minikv.grading.written_mutants import bug_class, smoke_test
+    from solutions.ex3_scrubbing import zero_blocks
+
+    assert smoke_test(zero_blocks) is True
+    assert smoke_test(lambda pool, ids: None) is False
+    survivors = [name for name, impl, _ in M.MUTANTS["3a"] if smoke_test(impl)]
+    assert {"k-only", "layer0-only"} <= set(survivors), survivors
+    assert bug_class("block 3 was not zeroed (bug class: V forgotten): ...") == "V forgotten"
+    assert bug_class("after f(pool, [1, 4]), block 2 changed: x") == bug_class("after f(pool, [8]), block 5 changed: y")

@@ -10,7 +10,7 @@ suppresses the printing.
 what each checks; ``make grade`` prints that table.
 
 One module per exercise: ``hashing`` (1, and the engine run that every hashing grader ends
-with), ``tenant_keys`` (2), ``scrubbing`` (3), ``isolation`` (4), ``stats`` (5); ``engines``
+with), ``tenant_keys`` (2), ``scrubbing`` (3a, 3b) and ``written_mutants`` (3c), ``isolation`` (4), ``stats`` (5); ``engines``
 builds the small real engines they run.  ``minikv.grading.mutants`` holds realistic wrong
 implementations of each exercise, one module per exercise (the tests prove every grader
 rejects them); ``minikv.grading.make_exercises`` generates ``exercises/`` from ``solutions/``;
@@ -21,9 +21,11 @@ from .isolation import check_audit_verdict, check_isolation_audit
 from .scrubbing import check_scrub_placement, check_zero_blocks
 from .stats import check_ks_test, check_roc_auc
 from .tenant_keys import check_block_keys, check_tenant_key_derivation, check_tenant_keyed_hasher
+from .written_mutants import check_written_mutants
 
 __all__ = [
     "check_encode_fields", "check_chained_hash", "check_tenant_key_derivation", "check_tenant_keyed_hasher",
-    "check_block_keys", "check_zero_blocks", "check_scrub_placement", "check_audit_verdict", "check_isolation_audit",
+    "check_block_keys", "check_zero_blocks", "check_scrub_placement", "check_written_mutants",
+    "check_audit_verdict", "check_isolation_audit",
     "check_ks_test", "check_roc_auc",
 ]

@@ -19,6 +19,8 @@ STATE = Path(__file__).resolve().parents[2] / "exercises" / ".hints.json"
 #: old hints and the solutions' comments used (tests/test_grading_tools.py checks every hint)
 FORBIDDEN_PHRASES: dict[str, list[str]] = {
     "2a": ["hmac.digest", "as the KEY", "engine secret as the", "HMAC-SHA256 with", "sha256(secret", "is not HMAC"],
+    "3c": ["keys only", "V forgotten", "min(ids)", "max(ids)", "a slice", "range(", "k_cache[:, ids] = 0",
+           "consecutive"],
     "3b": ["decide by the transition", "never by why", "must be kept", "on the way into the free list",
            "(free, evict)", "Transition.FREE", "zero either"],
     "L1": ["for each filling", "one more character", "never send one probe twice", ">= the block's end",
@@ -92,6 +94,18 @@ HINTS: dict[str, list[str]] = {
            "        public = (i + 1) * block_size <= public_len\n"
            "        parent = hasher(parent, <block i's tokens>, (), None if public else tenant_key)\n"
            "        ..."],
+    "3c": ["Print `smoke_test`'s source (lesson 08 does).  Which block, which layer and which tensor does it look "
+           "at after the call, and what does it never look at?  Now list every promise 3a's contract makes: "
+           "which of them can a zero_blocks break without the smoke test noticing?",
+           "Run 3a's grader on a few broken versions in a cell and read the bug class it names for each.  Which "
+           "of those classes would survive the smoke test's one block, one layer and one tensor?  Which promise "
+           "concerns blocks you were *not* asked to zero, and which concerns the part of a block the smoke "
+           "test never reads?  And would your mutant still run on an empty list?",
+           "    def sneaky_zero_blocks_a(pool, block_ids):\n"
+           "        ...   # right where smoke_test looks, wrong somewhere it never looks\n"
+           "    def sneaky_zero_blocks_b(pool, block_ids):\n"
+           "        ...   # break a different promise of 3a's contract\n"
+           "(both must run without raising on [], on one id, and on several)"],
     "3a": ["The pool is [layers, blocks, slots, heads, dim]: which dimension names a block?  And does "
            "your operation change the pool's tensors, or a copy of them?  How would you find out in two lines?",
            "Build a small pool in a cell (2 layers, 4 blocks, filled with ones), zero blocks [1, 3] your way and "

@@ -47,8 +47,9 @@ def _diff_report(pool, before_k, before_v, ids: list[int], call: str, must_zero:
                         "prefix",
                         "index the block dimension (dim 1) with exactly the given ids; indexing dim 0 selects "
                         "layers.") if wrong_dim else CheckFailed(
-                        f"after {call}, block {b} (not in the list) changed in {name}, layer(s) {changed}: that "
-                        "block may hold another request's live K/V or a cached prefix",
+                        f"after {call}, block {b} (not in the list) changed in {name}, layer(s) {changed} (bug "
+                        "class: a block outside the list changed): that block may hold another request's live K/V "
+                        "or a cached prefix",
                         "index the block dimension (dim 1) with exactly the given ids; pool.k_cache[ids] = 0 "
                         "indexes dim 0, the layers.")
     layers = pool.k_cache.shape[0]
@@ -57,7 +58,8 @@ def _diff_report(pool, before_k, before_v, ids: list[int], call: str, must_zero:
             dirty = {name: [layer for layer in range(layers) if cache[layer, b].abs().sum() > 0]
                      for name, cache in (("K", pool.k_cache), ("V", pool.v_cache))}
             if len(dirty["K"]) == len(dirty["V"]) == layers:
-                raise CheckFailed(f"after {call}, block {b} was not zeroed at all (K and V intact in every layer)",
+                raise CheckFailed(f"after {call}, block {b} was not zeroed at all (K and V intact in every layer) "
+                                  "(bug class: a given block left intact)",
                                   "zero every block you are given, right away: the new owner receives it as soon "
                                   "as the call returns (not later, not in a batch, not only the first block).")
             for name, nonzero in dirty.items():

@@ -12,7 +12,7 @@ module              ex      the idea each mutant misses
 ==================  ======  ====================================================
 ``hashing``         1a-1b   an injective encoding; a chained, tenant-aware key
 ``tenant_keys``     2a-2c   a secret-derived tenant key, in every private block
-``scrubbing``       3a-3b   zero exactly the recycled blocks, all of K and V
+``scrubbing``       3a-3c   zero exactly the recycled blocks, all of K and V
 ``audit``           4a-4b   an audit that can fail: both directions, batched
 ``stats``           5a-5b   a one-sided test, "faster => hit", ties worth 1/2
 ==================  ======  ====================================================

@@ -63,6 +63,47 @@ def zero_out_of_place(pool, block_ids):
         pool.v_cache = pool.v_cache.index_fill(1, idx, 0)
 
 
+# ============================================================================ 3c write the mutant
+# Wrong answers to the *mutant-writing* task: each replaces sneaky_zero_blocks_a (the reference's
+# sneaky_zero_blocks_b, a slice over the ids' range, stays beside it).
+
+
+def sneaky_same_class(pool, block_ids):
+    """A second spelling of the reference's other mutant: a loop over every id from the smallest to
+    the largest, so it is caught for the very same reason (blocks between the ids changed)."""
+    ids = list(block_ids)
+    if ids:
+        for b in range(min(ids), max(ids) + 1):
+            pool.k_cache[:, b] = 0
+            pool.v_cache[:, b] = 0
+
+
+def sneaky_but_correct(pool, block_ids):
+    """"Sneaky" by its name only: one ``index_fill_`` per tensor along the block dimension is 3a's
+    whole contract, so 3a's grader accepts it."""
+    import torch
+    if block_ids:
+        idx = torch.as_tensor(list(block_ids), dtype=torch.long)
+        pool.k_cache.index_fill_(1, idx, 0)
+        pool.v_cache.index_fill_(1, idx, 0)
+
+
+def sneaky_values_only(pool, block_ids):
+    """Zeroes V and forgets K: wrong, but exactly where the smoke test looks (layer 0's K of the
+    block it zeroed), so the quickest test already catches it."""
+    if block_ids:
+        pool.v_cache[:, list(block_ids)] = 0
+
+
+def sneaky_crashes_on_empty(pool, block_ids):
+    """``torch.tensor(block_ids)``: an empty list becomes a *float* tensor, and ``index_fill_``
+    refuses a float index, so the first empty scrub raises (the smoke test never sends one)."""
+    import torch
+    idx = torch.tensor(list(block_ids))
+    pool.k_cache.index_fill_(1, idx, 0)
+    pool.v_cache.index_fill_(1, idx, 0)
+
+
 # ============================================================================ 3b placement
 # Each decides ZERO/KEEP per lifecycle event (transition, seq); exercise 3b's PlacedScrubber runs it.
 
@@ -155,6 +196,8 @@ MUTANTS = {
                   ("keep-evicted", place_keep_evicted), ("finished-only", place_finished_only),
                   ("skip-aborted", place_skip_aborted), ("needs-a-request", place_needs_a_request),
                   ("compares-reason", place_compares_reason)),
+    "3c": entries(("same-class", sneaky_same_class), ("correct", sneaky_but_correct),
+                  ("caught-by-smoke", sneaky_values_only), ("crashes-on-empty", sneaky_crashes_on_empty)),
 }
 
 #: mutant -> the words its grader's verdict must contain (the bug class it names)
@@ -166,4 +209,6 @@ DIAGNOSES = {
     ("3b", "no-adopt-row"): "a transition left undecided", ("3b", "on-release"): "released INTO the cache",
     ("3b", "keep-evicted"): "LRU EVICTION", ("3b", "finished-only"): "PREEMPTION",
     ("3b", "skip-aborted"): "ABORT", ("3b", "needs-a-request"): "reset_prefix_cache",
+    ("3c", "same-class"): "one mistake written twice", ("3c", "correct"): "not a mutant",
+    ("3c", "caught-by-smoke"): "caught by the smoke test", ("3c", "crashes-on-empty"): "a crash",
 }

@@ -126,3 +126,67 @@ def block_keys(hasher, token_ids: list[int], block_size: int, tenant_key: bytes 
         keys.append(parent)
     return keys
     # END SOLUTION
+
+
+# The label of a user's key (exercise 2d).  The engine has no user keys of its own: 2d is a
+# layout a server builds on top of the engine's one-key-per-block seam.
+USER_LABEL = "minikv/user-key/v1"
+
+
+def key_layout(engine_secret: bytes, tenant: str | None, user: str | None, n_tokens: int, block_size: int,
+               public_len: int, tenant_end: int) -> list[bytes | None]:
+    """Open design: the domain key of every full block of a prompt with public, tenant and user parts.
+
+    A prompt of ``n_tokens`` tokens has three parts, declared by the server (never the client):
+
+    * ``[0, public_len)`` -- **public**: a system prompt every tenant and user may share;
+    * ``[public_len, tenant_end)`` -- **per tenant**: the tenant's own documents and instructions,
+      which every user *of that tenant* may share, and nobody else;
+    * ``[tenant_end, n_tokens)`` -- **per user**: private to the one user ``user`` of ``tenant``.
+
+    Return one entry per *full* block (``n_tokens // block_size`` of them, a trailing partial
+    block has none): the ``tenant_key`` argument the engine's keyed hasher gets for that block
+    (the engine chains the blocks itself).  ``None`` means "the shared domain": the engine then
+    keys the block with the shared key it derived from its secret.
+
+    Which keys you use and how you derive them is yours to design.  The grader installs your
+    layout in a real engine and checks these properties:
+
+    * **isolation**: two requests get the same key for a block only if they may share that
+      block: anyone for a public block, the same tenant for a per-tenant block, the same
+      (tenant, user) for a per-user block.  A block that straddles a boundary holds tokens of
+      two parts and takes the scope of the *stricter* one;
+    * **server-side keys**: every non-shared key comes from ``engine_secret`` through a keyed MAC
+      over typed fields (your 2a and 1a), so a client that knows names cannot compute a key;
+      tenant ``None`` (anonymous), ``""`` and ``"None"`` are three tenants, and user ``None``
+      (the tenant's requests with no user), ``""`` and ``"None"`` three users; a user is only
+      ever a user *of a tenant* ("bob" of acme is not "bob" of globex);
+    * **reuse**: deterministic, and sharing everything isolation allows: the grader measures
+      the hit rate on a fixed workload and requires the reference layout's (an over-keyed
+      layout is isolated, and slow);
+    * **errors**: ``TypeError`` for a tenant or user that is neither ``str`` nor ``None`` and for
+      a secret that is not bytes; ``ValueError`` for a user without a tenant (``tenant=None``
+      with a user), a short secret, or part boundaries out of order
+      (``0 <= public_len <= tenant_end <= n_tokens`` must hold) or ``block_size < 1``.
+
+    Stuck?  ``make hint EX=2d`` (three levels, one per call).
+    """
+    # BEGIN SOLUTION
+    for name, value in (("tenant", tenant), ("user", user)):
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"{name} must be a str or None, got {value!r}")
+    if tenant is None and user is not None:
+        # users are named by their tenant's auth layer: a user with no tenant has no namespace
+        raise ValueError(f"user {user!r} has no tenant: a user is always a user of some tenant")
+    if block_size < 1 or not 0 <= public_len <= tenant_end <= n_tokens:
+        raise ValueError(f"need block_size >= 1 and 0 <= public_len <= tenant_end <= n_tokens, got "
+                         f"{block_size}, {public_len}, {tenant_end}, {n_tokens}")
+    tenant_key = derive_tenant_key(engine_secret, tenant)  # checks the secret, too
+    # The user's key is derived FROM the tenant's key, so a user name is bound to its tenant.
+    user_key = hmac.digest(tenant_key, encode_fields(USER_LABEL, user), "sha256")
+    layout: list[bytes | None] = []
+    for i in range(n_tokens // block_size):
+        end = (i + 1) * block_size  # the block's last token is end - 1: its strictest part decides
+        layout.append(None if end <= public_len else tenant_key if end <= tenant_end else user_key)
+    return layout
+    # END SOLUTION

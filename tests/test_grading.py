@@ -185,6 +185,25 @@ def test_engine_stage_alone_catches(name):
         ENGINE_STAGE_MUTANTS[name]()
 
 
+def test_key_layout_engine_run_sees_both_directions_and_catches_leaks_alone():
+    """Exercise 2d's engine run on its own: the solution's layout caches exactly what each scope allows
+    on the replayed prompt (both directions: own and tenant blocks hit, nothing private across), and the
+    run alone -- without the direct-call checks -- catches the leaking and the over-keyed mutants."""
+    from solutions.ex2_tenant_keys import key_layout
+
+    from minikv.grading import key_layout as kl
+    cached, sizes, log = kl.run_in_engine(key_layout)
+    assert not log.leaks and sum(cached) / sum(sizes) == pytest.approx(kl.reference_hit_rate())
+    replays = dict(zip([(t, u) for t, u, *_ in kl.workload()[-5:]], cached[-5:]))
+    public, tenant = 16, 32  # full blocks of the public part (18 tokens), then of public + tenant part (32)
+    assert replays == {("acme", "bob"): tenant, ("globex", "alice"): public, ("initech", "carol"): public,
+                       ("acme", "alice"): 44, ("acme", None): tenant}
+    for mutant in (M.layout_user_part_tenant_key, M.layout_straddle_looser):
+        assert kl.run_in_engine(mutant)[2].leaks, mutant.__name__
+    over, sizes, log = kl.run_in_engine(M.layout_tenant_part_per_user)
+    assert not log.leaks and sum(over) / sum(sizes) < kl.reference_hit_rate() - 0.05
+
+
 def test_engine_stages_pass_the_solutions():
     from solutions.ex1_chained_hash import chained_block_hash
     from solutions.ex2_tenant_keys import TenantKeyedHasher, block_keys, derive_tenant_key
@@ -218,6 +237,9 @@ def test_the_engines_reference_is_what_the_course_teaches(capsys):
     assert check_chained_hash(engine_sha256, encode_fields=encode_fields) is True
     assert check_tenant_keyed_hasher(HmacSha256Hasher) is True
     assert check_tenant_key_derivation(engine_derive_tenant_key) is True
+    from minikv.grading import key_layout as kl  # 2d's reference layout isolates (it skips input checks)
+    blocks = len(kl.IDENTITIES) * sum(n // 4 for n, _, _ in kl.SHAPES)
+    assert kl.check_isolation_direct(kl.reference_key_layout) == blocks
     assert capsys.readouterr().out.count("✅") == 3
     blocks = [(None, (1, 2, 3, 4), (), None), (b"p" * 32, (5, 6), ("x",), b"k" * 32)]
     from minikv.security import hashing as sh

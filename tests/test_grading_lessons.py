@@ -16,7 +16,7 @@ import pytest
 from tests.course_notebooks import ADDRESS, load, markdown, outputs
 
 LESSONS = {
-    "07_tenant_keyed_hashing.ipynb": ("1a", "1b", "2a", "2b", "2c", "5a"),
+    "07_tenant_keyed_hashing.ipynb": ("1a", "1b", "2a", "2b", "2c", "2d", "5a"),
     "08_scrubbing.ipynb": ("3a", "3b", "3c", "4a"),
 }
 REFERENCES = ["cache_salt", "#44701", "#30827", "#53347", "CVE-2025-25183", "Shadow in the Cache",

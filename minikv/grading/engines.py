@@ -97,3 +97,35 @@ def use_block_keys(llm: LLM, block_keys: Callable) -> LLM:
 
     bm.block_hash = block_hash
     return llm
+
+
+def use_key_layout(llm: LLM, layout: Callable, secret: bytes, request: dict) -> LLM:
+    """Make ``llm``'s engine take every block's domain key from ``layout`` (exercise 2d's
+    ``key_layout(secret, tenant, user, n_tokens, block_size, public_len, tenant_end)``).
+
+    The engine knows one tenant per request and no users or part boundaries, so the caller puts
+    the next request's ``user``, ``public_len`` and ``tenant_end`` into ``request`` before sending
+    it; each new sequence reads them once, keeps them in ``request["seen"]`` under its request id,
+    and answers the block manager's ``domain_key(i, block_size)`` from the layout (asked again when
+    the sequence grows, since the layout depends on its length).  Replaces ``_new_sequence`` on this
+    one engine object, and ``domain_key`` on each of its sequences."""
+    engine = llm.engine
+    new_sequence = engine._new_sequence
+
+    def keyed_sequence(*args, **kwargs):
+        seq = new_sequence(*args, **kwargs)
+        user, pub, end = request["user"], request["public_len"], request["tenant_end"]
+        request.setdefault("seen", {})[seq.request_id] = (seq.tenant, user, pub, end)
+        memo: dict[int, list] = {}
+
+        def domain_key(i, block_size):
+            n = len(seq.token_ids)
+            if n not in memo:
+                memo[n] = list(layout(secret, seq.tenant, user, n, block_size, pub, end))
+            return memo[n][i]
+
+        seq.domain_key = domain_key
+        return seq
+
+    engine._new_sequence = keyed_sequence
+    return llm

@@ -36,6 +36,8 @@ FORBIDDEN_PHRASES: dict[str, list[str]] = {
     "C": ["rounds=1", "fails on shared_cache and tenant_key_dropped", "len(public) // bs", "cross_tenant_hit findings",
           "every request under one tenant", "poly twin of a fresh block", "poly_collision(", "must not be served",
           "secret, salt)", "same salt from both tenants", "bob sends the same salt"],
+    "2d": ["(i + 1) * block_size", "last token", "its end", "from the tenant's key", "tenant_key if",
+           "hmac.digest(tenant_key", "USER_LABEL, user", "user_key = hmac"],
     "L2": ["second-fastest", "sorted(xs)[1]", "best + margin", "half the gap", "fastest half", "min()"],
 }
 
@@ -106,6 +108,18 @@ HINTS: dict[str, list[str]] = {
            "    def sneaky_zero_blocks_b(pool, block_ids):\n"
            "        ...   # break a different promise of 3a's contract\n"
            "(both must run without raising on [], on one id, and on several)"],
+    "2d": ["Before any code, fill a table: one row per part of the prompt (public, tenant, user), and for "
+           "each, who may share a block of it?  Then: which of your keys has exactly that set of sharers?  And "
+           "a block that holds the last public tokens and the first tenant tokens: whose row does it belong to?",
+           "Your 2a already gives one key per tenant.  What must a user's key depend on so that 'bob' of one "
+           "tenant and 'bob' of another never meet, and None, '' and 'None' stay three users?  Which tool from "
+           "1a keeps the fields apart?  If your layout is isolated but its hit rate is low, which sharers did you "
+           "lock out?  (Section 6's 2c walk decides public or not per block: reread how.)",
+           "    <type checks; a user needs a tenant; boundaries in order>\n"
+           "    tenant_key = derive_tenant_key(engine_secret, tenant)\n"
+           "    user_key = ...      # a MAC over the typed user name, bound to this tenant: keyed with what?\n"
+           "    for i in range(n_tokens // block_size):\n"
+           "        <which part holds the block's strictest token?>  ->  None, tenant_key or user_key"],
     "3a": ["The pool is [layers, blocks, slots, heads, dim]: which dimension names a block?  And does "
            "your operation change the pool's tensors, or a copy of them?  How would you find out in two lines?",
            "Build a small pool in a cell (2 layers, 4 blocks, filled with ones), zero blocks [1, 3] your way and "

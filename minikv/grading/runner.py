@@ -22,7 +22,7 @@ from contextlib import redirect_stdout
 from dataclasses import dataclass
 from typing import Callable
 
-from . import guard, hashing, isolation, scrubbing, stats, tenant_keys, written_mutants
+from . import guard, hashing, isolation, key_layout, scrubbing, stats, tenant_keys, written_mutants
 from . import capstone, labs_detector, labs_oracle  # the attack labs and the capstone (H8)
 
 
@@ -52,7 +52,8 @@ _TABLE = (
          ("encode_fields",)),
         ("2b", "TenantKeyedHasher", tenant_keys.check_tenant_keyed_hasher, "tenant-keyed block hasher",
          ("encode_fields",)),
-        ("2c", "block_keys", tenant_keys.check_block_keys, "tenant key in every block (plumbing)"))),
+        ("2c", "block_keys", tenant_keys.check_block_keys, "tenant key in every block (plumbing)"),
+        ("2d", "key_layout", key_layout.check_key_layout, "open design: public/tenant/user key layout"))),
     ("ex3_scrubbing", "08", (
         ("3a", "zero_blocks", scrubbing.check_zero_blocks, "zero blocks: all layers, K and V"),
         ("3b", "scrub_action", scrubbing.check_scrub_placement, "scrub placement in the block lifecycle"),
@@ -77,7 +78,7 @@ EXERCISES: list[Exercise] = [Exercise(ex_id, module, name, check, title, lesson,
 
 
 def select(ids: list[str] | None) -> list[Exercise]:
-    """Exercises whose id equals or starts with one of ``ids`` ("2" selects 2a, 2b, 2c)."""
+    """Exercises whose id equals or starts with one of ``ids`` ("2" selects 2a to 2d)."""
     if not ids:
         return list(EXERCISES)
     chosen = [e for e in EXERCISES if any(e.id == i or e.id.startswith(i) for i in ids)]

@@ -12,6 +12,7 @@ module              ex      the idea each mutant misses
 ==================  ======  ====================================================
 ``hashing``         1a-1b   an injective encoding; a chained, tenant-aware key
 ``tenant_keys``     2a-2c   a secret-derived tenant key, in every private block
+``key_layout``      2d      one key per scope: public, tenant, user (stricter wins)
 ``scrubbing``       3a-3c   zero exactly the recycled blocks, all of K and V
 ``audit``           4a-4b   an audit that can fail: both directions, batched
 ``stats``           5a-5b   a one-sided test, "faster => hit", ties worth 1/2
@@ -22,9 +23,11 @@ write it) keeps working.
 """
 from __future__ import annotations
 
-from . import audit, hashing, scrubbing, stats, tenant_keys
+from . import audit, hashing, key_layout, scrubbing, stats, tenant_keys
 from .audit import (audit_everything_cross, audit_no_copy, audit_one_direction, audit_sequential,
                     verdict_one_direction, verdict_wrong_order)
+from .key_layout import (layout_joined_names, layout_orphan_user, layout_straddle_looser,
+                         layout_tenant_part_per_user, layout_user_not_bound, layout_user_part_tenant_key)
 from .hashing import (encode_json_like, encode_no_length, encode_untyped, hash_ignores_tenant,
                       hash_packed_no_boundaries, hash_unchained, hash_untyped_concat)
 from .scrubbing import (place_finished_only, place_keep_evicted, place_needs_a_request, place_on_release,
@@ -37,12 +40,12 @@ from .tenant_keys import (KeyedFirstBlockOnly, KeyedSaltNeverUsed, KeyedTruncate
 
 #: exercise id -> [(name, implementation, what is wrong)], in exercise order.
 MUTANTS: dict[str, list[tuple[str, object, str]]] = {
-    **hashing.MUTANTS, **tenant_keys.MUTANTS, **scrubbing.MUTANTS, **audit.MUTANTS, **stats.MUTANTS,
+    **hashing.MUTANTS, **tenant_keys.MUTANTS, **key_layout.MUTANTS, **scrubbing.MUTANTS, **audit.MUTANTS, **stats.MUTANTS,
 }
 
 #: (exercise id, mutant name) -> words the grader's verdict must contain: the bug class it names
 DIAGNOSES: dict[tuple[str, str], str] = {
-    **hashing.DIAGNOSES, **tenant_keys.DIAGNOSES, **scrubbing.DIAGNOSES, **audit.DIAGNOSES, **stats.DIAGNOSES,
+    **hashing.DIAGNOSES, **tenant_keys.DIAGNOSES, **key_layout.DIAGNOSES, **scrubbing.DIAGNOSES, **audit.DIAGNOSES, **stats.DIAGNOSES,
 }
 
 #: exercise id -> correct implementations that differ only in method: graders must ACCEPT them
@@ -57,6 +60,8 @@ __all__ = [
     "derive_unkeyed", "derive_none_is_empty", "derive_concat", "derive_no_secret_check",
     "KeyedSaltNeverUsed", "KeyedFirstBlockOnly", "KeyedTruncated",
     "keys_salt_last_block_only", "keys_salt_never_passed", "keys_straddling_block_public", "keys_unchained",
+    "layout_tenant_part_per_user", "layout_user_part_tenant_key", "layout_straddle_looser", "layout_user_not_bound",
+    "layout_joined_names", "layout_orphan_user",
     "zero_k_only", "zero_layer0_only", "zero_wrong_dim", "zero_out_of_place",
     "verdict_one_direction", "verdict_wrong_order",
     "audit_one_direction", "audit_sequential", "audit_everything_cross", "audit_no_copy",

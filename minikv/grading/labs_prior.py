@@ -19,9 +19,9 @@ figures the grader computes exactly from the revealed secrets:
 
 A pass recovers every secret, confirms it through the oracle (some probe hit the victim's last secret
 block), and costs at most :data:`TOLERANCE` times the reference's median.  Fewer probes than blocks on
-the median secret is refused as a side door: a search confirms each block with at least one hit, and
-under this prior a search that pays one probe per block on most secrets does not exist (the reference
-does so on about 1 secret in 180).
+the median secret is refused as a side door: a block costs less than its own probe only when a probe that
+tested the block before it also carried its right filling, and under this prior the reference's first try
+is right for every block of a secret on about 1 secret in 180.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The attack labs (L1 count oracle, L2 timing oracle, L3 probing detector): each grader accepts
+"""The attack labs (L1 count oracle, L2 timing oracle, L3 probing detector, L4 ranked guesser): each grader accepts
 the reference solution, rejects the untouched stub and every mutant, and names the right class
 of bug.  Attack labs run a victim's server in a subprocess and the attack in another one.
 
@@ -6,6 +6,7 @@ Seeds are fixed here so a failure can be replayed; ``make grade`` draws fresh on
 """
 from __future__ import annotations
 
+import itertools
 import math
 import re
 
@@ -13,10 +14,12 @@ import pytest
 
 import exercises.lab1_prefix_oracle as ex1
 import exercises.lab3_detector as ex3
+import exercises.lab4_ranked_guesser as ex4
 import solutions.lab1_prefix_oracle as sol1
 import solutions.lab2_timing as sol2
 import solutions.lab3_detector as sol3
-from minikv.grading import labs_detector, labs_oracle
+import solutions.lab4_ranked_guesser as sol4
+from minikv.grading import labs_detector, labs_oracle, labs_prior
 from minikv.grading._lab import forbidden_imports
 from minikv.grading.mutants import labs as mutants
 
@@ -152,7 +155,7 @@ def test_the_information_floor_and_the_mid_block_probe():
 
 def test_every_lab_check_has_at_least_three_mutants():
     assert {lab: len(cases) >= 3 for lab, cases in mutants.LAB_MUTANTS.items()} == \
-        {"L1": True, "L2": True, "L3": True, "C": True}
+        {"L1": True, "L2": True, "L3": True, "L4": True, "C": True}
 
 
 def test_forbidden_imports_are_refused(tmp_path, monkeypatch, capsys):
@@ -203,3 +206,44 @@ def test_l3_rejects_mutants_with_the_right_diagnosis(name, fn, why, capsys):
     ok, out = run(labs_detector.check_detector, fn, capsys, seeds=[1, 2])
     assert not ok, out
     assert why in out, out
+
+
+# ----------------------------------------------------------------------------- L4 ranked guesser
+def test_l4_prior_and_costs_are_exact():
+    """The bigram table is a distribution per context; the secrets of the fixed seeds never change; the
+    reference and exhaustive figures are 1 + the true filling's rank in each order, block by block."""
+    table = labs_prior.prior()
+    assert set(table) == set(labs_prior.ALPHABET)
+    assert all(abs(sum(row.values()) - 1) < 1e-3 and min(row.values()) > 0 for row in table.values())
+    assert labs_prior.draw_secret(11) == labs_prior.draw_secret(11) == "e sea "
+    card = {"prefix": "Note 0: ", "block_size": 2, "alphabet": labs_prior.ALPHABET, "prior": table}
+    # "aa" is the alphabet's first filling; " " is its last character
+    assert labs_prior.exhaustive_cost(card, "aa") == 1 and labs_prior.exhaustive_cost(card, "a ") == 10
+    assert labs_prior.exhaustive_cost(card, "aaaa") == 2 and labs_prior.exhaustive_cost(card, "  ") == 100
+    likeliest = max(("".join(p) for p in itertools.product(labs_prior.ALPHABET, repeat=2)),
+                    key=lambda g: table[" "][g[0]] * table[g[0]][g[1]])
+    assert labs_prior.ranked_cost(card, likeliest) == 1
+    # a block with one unknown (the prefix ends mid-block): the ranking is over single characters
+    first = max(labs_prior.ALPHABET, key=lambda c: table[" "][c])
+    assert next(labs_prior._blocks({**card, "prefix": "Note 0:  "}, "abc"))[1] == "a"
+    assert labs_prior.ranked_cost({**card, "prefix": "Note 0:  "}, first) == 1  # 9 characters
+
+
+def test_l4_solution_passes_at_the_reference_figure(capsys):
+    ok, out = run(labs_prior.check_ranked_guesser, sol4.guess_secret, capsys)
+    assert ok, out
+    m = re.search(r"median (\d+\.\d+) probes/token \(reference (\d+\.\d+), exhaustive (\d+\.\d+)\)", out)
+    assert m and m.group(1) == m.group(2) and float(m.group(3)) > 4 * float(m.group(2)), out
+    assert "score 1.00x" in out
+
+
+def test_l4_stub_fails_as_not_implemented(capsys):
+    ok, out = run(labs_prior.check_ranked_guesser, ex4.guess_secret, capsys)
+    assert not ok and "not implemented yet" in out
+
+
+@pytest.mark.parametrize("name,fn,doc", mutants.LAB_MUTANTS["L4"], ids=[n for n, _, _ in mutants.LAB_MUTANTS["L4"]])
+def test_l4_rejects_mutants_with_the_right_diagnosis(name, fn, doc, capsys):
+    ok, out = run(labs_prior.check_ranked_guesser, fn, capsys)
+    assert not ok, out
+    assert out.startswith("❌ check_ranked_guesser failed: ") and mutants.L4_DIAGNOSES[name] in out, out

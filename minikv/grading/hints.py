@@ -38,6 +38,8 @@ FORBIDDEN_PHRASES: dict[str, list[str]] = {
           "secret, salt)", "same salt from both tenants", "bob sends the same salt"],
     "2d": ["(i + 1) * block_size", "last token", "its end", "from the tenant's key", "tenant_key if",
            "hmac.digest(tenant_key", "USER_LABEL, user", "user_key = hmac"],
+    "L4": ["likeliest first", "joint probability", "chain rule", "product of", "fillings.sort", "-probability(",
+           "descending", "given everything you have recovered", "whole block's filling"],
     "L2": ["second-fastest", "sorted(xs)[1]", "best + margin", "half the gap", "fastest half", "min()"],
 }
 
@@ -185,6 +187,18 @@ HINTS: dict[str, list[str]] = {
            "    for g in itertools.product(alphabet, repeat=u):\n"
            "        probe = ...                           # what must follow the candidate?\n"
            "        if oracle.cached_tokens(probe) >= end: ..."],
+    "L4": ["Your L1 search tried a block's fillings in the alphabet's order.  If you had to bet on which "
+           "filling the victim sent, which would you try first, and what on the card tells you?  How many probes "
+           "does a block cost you when the right filling is the k-th one you try?",
+           "Lesson 04's section 3 asks SmolLM2 how likely each next token is, and section 4 probes candidates "
+           "in the model's order.  Here card['prior'] plays the model, one character at a time.  A block holds "
+           "two characters: how likely is a pair, and on what does its second character depend?  What does "
+           "its first character depend on, once you have recovered the block before it?",
+           "    fillings = [''.join(g) for g in itertools.product(alphabet, repeat=u)]\n"
+           "    def likelihood(before, filling):\n"
+           "        ...                                  # what does the model say about this filling?\n"
+           "    for guess in <fillings, in which order?>:\n"
+           "        if oracle.cached_tokens(prefix + found + guess + tail + '#') >= block_end: ..."],
     "L2": ["Send each candidate twice in a row and compare: why is the second answer always fast?  "
            "Then send one candidate ten times, spaced out, and plot the answers: what does the noise "
            "look like, and what do the rare slow answers look like?",

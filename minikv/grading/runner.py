@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from . import guard, hashing, isolation, key_layout, scrubbing, stats, tenant_keys, written_mutants
-from . import capstone, labs_detector, labs_oracle  # the attack labs and the capstone (H8)
+from . import capstone, labs_detector, labs_oracle, labs_prior  # the attack labs and the capstone (H8)
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,8 @@ _TABLE = (
                                    "lab: steal a secret via cached_tokens"),)),
     ("lab2_timing", "04", (("L2", "extract_secret_by_timing", labs_oracle.check_timing_attack,
                             "lab: steal it from TTFT (self-priming)"),)),
+    ("lab4_ranked_guesser", "04", (("L4", "guess_secret", labs_prior.check_ranked_guesser,
+                                    "lab: beat exhaustive with a model prior"),)),
     ("lab3_detector", "09", (("L3", "detect_probing", labs_detector.check_detector,
                               "lab: probing detector on a trail"),)),
     ("capstone_audit", "12", (("C", "audit_fleet", capstone.check_capstone, "capstone: audit the mystery fleet"),)),

@@ -1,4 +1,4 @@
-"""Wrong attacks and detectors for the labs (L1-L3): each lab grader must reject all of them
+"""Wrong attacks and detectors for the labs (L1-L4): each lab grader must reject all of them
 and say why.  ``LAB_MUTANTS[lab]`` lists ``(name, implementation, what is wrong)``; graders run
 learner code in a fresh process, so every mutant is a module-level function.
 """
@@ -10,6 +10,7 @@ from collections import defaultdict
 from minikv.audit.oracle_client import OracleClient
 
 from ._table import entries
+from .guessers import L4_DIAGNOSES, L4_MUTANTS  # noqa: F401  (lab L4's guessers, in their own module)
 
 
 def _next_block(card, found: str) -> tuple[str, int, int, str]:
@@ -178,7 +179,9 @@ LAB_MUTANTS = {
                   ("hard_coded", timing_hard_coded)),
     "L3": entries(("counts_requests", detect_counts_requests), ("across_tenants", detect_across_tenants),
                   ("prefix_only", detect_prefix_only), ("exact_prefix", detect_exact_prefix)),
+    "L4": L4_MUTANTS,
 }
+
 
 
 # ============================================================================ C capstone

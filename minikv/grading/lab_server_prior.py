@@ -1,6 +1,6 @@
 """The victims' server of lab L4 (lesson 04), run as a subprocess.
 
-    python -m minikv.grading.lab_server_prior --seeds 11,12,13
+    python -m minikv.grading.lab_server_prior [--seeds 11,12,13]
 
 One tiny-random engine with a **shared** prefix cache (blocks of 2 byte tokens, L1's layout) serves
 one victim per seed: victim ``i`` sent ``prefix_of(i) + SECRET_i + SUFFIX``, its secret sampled
@@ -91,12 +91,15 @@ def build_app(seeds: list[int]):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m minikv.grading.lab_server_prior", description=__doc__.split("\n")[0])
-    ap.add_argument("--seeds", default=",".join(map(str, lp.SEEDS)), help="one victim per seed (comma-separated)")
+    ap.add_argument("--seeds", default=None, help="one victim per seed (comma-separated); default: "
+                    f"{lp.RUNS} victims with secrets from os.urandom, drawn here and never written anywhere")
     args = ap.parse_args(argv)
     make_undumpable()  # before the secrets exist: no other process of this user can read our memory
     from ..serve import BackgroundServer
 
-    app, cards, answer = build_app([int(s) for s in args.seeds.split(",")])
+    seeds = ([int(s) for s in args.seeds.split(",")] if args.seeds is not None
+             else [int.from_bytes(os.urandom(8), "big") for _ in range(lp.RUNS)])
+    app, cards, answer = build_app(seeds)
     with BackgroundServer(app) as srv:
         print(json.dumps({"cards": [{**c, "base_url": srv.base_url} for c in cards]}), flush=True)
         sys.stdin.read()  # the grader closes our stdin when the attacks are over

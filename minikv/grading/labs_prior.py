@@ -8,8 +8,12 @@ lab's stand-in for lesson 04's SmolLM2 ranking.  SmolLM2 itself would cost secon
 are sampled from exactly that table, so it is a calibrated prior, as a good model is for real text.
 
 One grade starts one server (:mod:`.lab_server_prior`) holding :data:`RUNS` victims, each behind
-its own template and attacker key, with secrets drawn from the fixed :data:`SEEDS`: the same code
-scores the same on every grade.  The learner's function runs sealed, once per victim, with that
+its own template and attacker key.  A graded run's secrets are drawn inside that server from
+``os.urandom`` and never written anywhere the learner's code can read: fixed seeds would be in this
+very file, and a learner could replay their secrets padded with enough probes to pass the side-door
+check.  Every figure is computed on the same secrets, so the reference always scores 1.00x and a
+learner's score moves only as much as their own cost does from secret to secret.  The lesson and the
+tests pass :data:`SEEDS` (``seeds=``), so their outputs are reproducible.  The learner's function runs sealed, once per victim, with that
 victim's card.  The score is the **median probes per token** over the victims, printed beside two
 figures the grader computes exactly from the revealed secrets:
 
@@ -34,7 +38,7 @@ from ._report import expect, grader
 ALPHABET = "aehinorst "
 SECRET_LEN, BLOCK_SIZE, QUOTA = 6, 2, 24
 SUFFIX = ". Keep it safe."
-#: one secret per seed, one victim per secret: fixed, so a grade is reproducible
+#: the lesson's and the tests' secrets, one per victim (a graded run draws fresh ones instead)
 SEEDS = (11, 12, 13, 14, 15)
 RUNS = len(SEEDS)
 #: the pass band: at most this many times the reference's median probes per token
@@ -137,12 +141,13 @@ def _verdict(guess, card: dict, key: dict) -> None:
            "every character you return must be confirmed by a cached_tokens answer")
 
 
-def run_all(fn, timeout: float) -> tuple[list, list[dict], list[dict]]:
-    """(answers, cards, answer keys) of one server's :data:`RUNS` victims, each attacked sealed."""
+def run_all(fn, timeout: float, seeds=None) -> tuple[list, list[dict], list[dict]]:
+    """(answers, cards, answer keys) of one server's :data:`RUNS` victims, each attacked sealed;
+    ``seeds``: one per victim, or None for fresh secrets drawn inside the server."""
     why = refuse(fn)
     expect(why is None, str(why), "write the guesser in its exercises/ file with OracleClient alone")
-    seeds = ",".join(map(str, SEEDS))
-    with HiddenServer("minikv.grading.lab_server_prior", "--seeds", seeds) as srv:
+    args = ("--seeds", ",".join(map(str, seeds))) if seeds is not None else ()
+    with HiddenServer("minikv.grading.lab_server_prior", *args) as srv:
         cards, guesses = srv.info["cards"], []
         for card in cards:
             guess, _ = run_graded(fn, [card], timeout,
@@ -154,8 +159,8 @@ def run_all(fn, timeout: float) -> tuple[list, list[dict], list[dict]]:
 
 
 @grader("order each block's fillings by the prior; see the lab's docstring")
-def check_ranked_guesser(guess_secret, *, timeout: float = 120.0) -> str:
-    guesses, cards, keys = run_all(guess_secret, timeout)
+def check_ranked_guesser(guess_secret, *, timeout: float = 120.0, seeds=None) -> str:
+    guesses, cards, keys = run_all(guess_secret, timeout, seeds)
     mine, ref, exh, probes = [], [], [], []
     for guess, card, key in zip(guesses, cards, keys):
         _verdict(guess, card, key)

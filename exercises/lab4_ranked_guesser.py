@@ -3,7 +3,7 @@
 # then run `make grade` (or the check cell in the lesson).  The imports below are the ones the
 # reference solution uses.  Course maintainers: edit solutions/lab4_ranked_guesser.py and regenerate; never
 # edit this file by hand.
-# minikv-stub: bf25cd1aca59b1d1
+# minikv-stub: 158d39b932aa6ee8
 """Lab L4 (lesson 04, open design): beat the exhaustive search with a ranked guesser.
 
 The oracle is L1's: a victim sent ``card["prefix"] + SECRET + card["suffix"]`` to a server whose
@@ -16,9 +16,10 @@ starting after the prefix's last character).  It stands in for lesson 04's SmolL
 would be too slow to grade on a small CPU.
 
 Contract: return the secret (a ``str`` of ``card["secret_len"]`` characters), using only what
-``OracleClient`` answers.  The grader runs your function sealed against 5 victims with fixed
-secrets (the same code scores the same every time) and scores the **median probes per token**,
-printed beside the reference's figure and an exhaustive search's.  It passes when you recover every
+``OracleClient`` answers.  The grader runs your function sealed against 5 victims (``make grade``
+draws fresh secrets on every grade; the lesson's check uses fixed ones) and scores the **median
+probes per token**, printed beside the reference's figure and an exhaustive search's on the same
+secrets.  It passes when you recover every
 secret, confirmed by the oracle, at no more than 1.5 times the reference's median.  Any strategy is
 allowed; the prior is your lever.  Off limits (the grader refuses the file): ``minikv.attacks``,
 ``minikv.security``, ``minikv.audit.detector`` and ``solutions``.

@@ -14,6 +14,12 @@ import pytest
 from minikv.models.hub import resolve_model
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "single_shot_timing: rests on one timed request per candidate, so the machine's load can "
+        "decide it; not in make test (a benchmark-like check: make test-timing runs it)")
+
+
 @pytest.fixture(scope="session")
 def tiny_path():
     """2-layer random Llama (GQA 4:2, byte-level ChatML tokenizer); built in ~1 s."""

@@ -172,6 +172,7 @@ def timing_oracle(http, url, key, prefix, digits, tail, margin=0.8):
     return (list(ranked[0]) if alone else None), len(times), best, second, median
 
 
+@pytest.mark.single_shot_timing
 def test_timing_attack_on_B_recovers_a_code_sent_to_A_only_under_unsafe_keys(fleet, tiny_path):
     """Lesson 04's timing attack across instances: bob sends a form letter whose 2-digit code is
     followed by ~1,800 tokens of boilerplate (the template is public; the code is not) through A.

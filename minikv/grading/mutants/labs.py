@@ -11,15 +11,7 @@ from minikv.audit.oracle_client import OracleClient
 
 from ._table import entries
 from .guessers import L4_DIAGNOSES, L4_MUTANTS  # noqa: F401  (lab L4's guessers, in their own module)
-
-
-def _next_block(card, found: str) -> tuple[str, int, int, str]:
-    """(prompt so far, end of the block holding the next unknown, unknowns in it, its known rest)."""
-    bs, n, prefix, suffix = card["block_size"], card["secret_len"], card["prefix"], card["suffix"]
-    start = len(prefix) + len(found)
-    end = (start // bs + 1) * bs
-    u = min(end - start, n - len(found))
-    return prefix + found, end, u, suffix[:end - start - u]
+from .guessers import _next_block  # one block walk for the L1 and L4 mutants (guessers cannot import this module)
 
 
 # ============================================================================ L1 count oracle

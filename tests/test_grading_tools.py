@@ -259,3 +259,22 @@ def test_regenerate_prints_what_it_kept(tmp_path, monkeypatch, capsys):
     assert make_exercises.main([]) == 0
     out = capsys.readouterr().out
     assert "kept exercises/ex2_tenant_keys.py: it holds your edits" in out and ".new" in out
+
+
+#: what a fresh interpreter of the grading imports, once per graded call: a lab's server, a lab's
+#: victim run (a mutant guesser), a sealed child before it loads the learner's file
+LIGHT_CHILDREN = ("minikv.grading.lab_server", "minikv.grading.lab_server_prior", "minikv.grading.mutants.guessers",
+                  "minikv.grading.mutants.labs", "minikv.grading._sealed_child", "solutions.lab4_ranked_guesser")
+
+
+@pytest.mark.parametrize("module", LIGHT_CHILDREN)
+def test_a_graded_child_does_not_import_the_engine_it_does_not_use(module):
+    # ``minikv.grading`` and ``minikv.grading.mutants`` export their graders and mutants lazily: when
+    # they imported them eagerly, every one of these children loaded torch, scipy and the engine,
+    # 3.8 s a start, five starts per lab check (issue 36)
+    code = (f"import sys, {module}\n"
+            "print(sorted(m for m in ('torch', 'scipy', 'minikv.engine', 'minikv.llm') if m in sys.modules))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip() == "[]", f"importing {module} also imported {p.stdout.strip()}"

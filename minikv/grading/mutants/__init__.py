@@ -23,47 +23,50 @@ write it) keeps working.
 """
 from __future__ import annotations
 
-from . import audit, hashing, key_layout, scrubbing, stats, tenant_keys
-from .audit import (audit_everything_cross, audit_no_copy, audit_one_direction, audit_sequential,
-                    verdict_one_direction, verdict_wrong_order)
-from .key_layout import (layout_joined_names, layout_orphan_user, layout_straddle_looser,
-                         layout_tenant_part_per_user, layout_user_not_bound, layout_user_part_tenant_key)
-from .hashing import (encode_json_like, encode_no_length, encode_untyped, hash_ignores_tenant,
-                      hash_packed_no_boundaries, hash_unchained, hash_untyped_concat)
-from .scrubbing import (place_finished_only, place_keep_evicted, place_needs_a_request, place_on_release,
-                        place_skip_aborted, place_wipe_hits, zero_k_only, zero_layer0_only, zero_on_a_copy,
-                        zero_out_of_place, zero_wrong_dim)
-from .stats import auc_flipped, auc_ignores_ties, ks_two_sided, ks_wrong_alternative
-from .tenant_keys import (KeyedFirstBlockOnly, KeyedSaltNeverUsed, KeyedTruncated, derive_concat,
-                          derive_no_secret_check, derive_none_is_empty, derive_unkeyed, keys_salt_last_block_only,
-                          keys_salt_never_passed, keys_straddling_block_public, keys_unchained)
+import importlib
 
-#: exercise id -> [(name, implementation, what is wrong)], in exercise order.
-MUTANTS: dict[str, list[tuple[str, object, str]]] = {
-    **hashing.MUTANTS, **tenant_keys.MUTANTS, **key_layout.MUTANTS, **scrubbing.MUTANTS, **audit.MUTANTS, **stats.MUTANTS,
-}
+# Lazy (PEP 562), like ``minikv.grading``: a lab's mutant guesser runs in a fresh interpreter per
+# victim, and must not import every exercise's mutants (torch, the engine) to get there.
+#: the per-exercise modules whose tables MUTANTS, DIAGNOSES and NEGATIVE_CONTROLS merge, in order
+_TABLES = ("hashing", "tenant_keys", "key_layout", "scrubbing", "audit", "stats")
+#: implementation name -> the module that defines it (the names lessons write as ``mutants.X``)
+_EXPORTS = {name: module for module, names in {
+    "scrubbing": ("zero_on_a_copy", "place_wipe_hits", "place_on_release", "place_keep_evicted",
+                  "place_finished_only", "place_skip_aborted", "place_needs_a_request",
+                  "zero_k_only", "zero_layer0_only", "zero_wrong_dim", "zero_out_of_place"),
+    "hashing": ("encode_untyped", "encode_no_length", "encode_json_like", "hash_untyped_concat",
+                "hash_unchained", "hash_packed_no_boundaries", "hash_ignores_tenant"),
+    "tenant_keys": ("derive_unkeyed", "derive_none_is_empty", "derive_concat", "derive_no_secret_check",
+                    "KeyedSaltNeverUsed", "KeyedFirstBlockOnly", "KeyedTruncated", "keys_salt_last_block_only",
+                    "keys_salt_never_passed", "keys_straddling_block_public", "keys_unchained"),
+    "key_layout": ("layout_tenant_part_per_user", "layout_user_part_tenant_key", "layout_straddle_looser",
+                   "layout_user_not_bound", "layout_joined_names", "layout_orphan_user"),
+    "audit": ("verdict_one_direction", "verdict_wrong_order", "audit_one_direction", "audit_sequential",
+              "audit_everything_cross", "audit_no_copy"),
+    "stats": ("ks_wrong_alternative", "ks_two_sided", "auc_flipped", "auc_ignores_ties"),
+}.items() for name in names}
 
-#: (exercise id, mutant name) -> words the grader's verdict must contain: the bug class it names
-DIAGNOSES: dict[tuple[str, str], str] = {
-    **hashing.DIAGNOSES, **tenant_keys.DIAGNOSES, **key_layout.DIAGNOSES, **scrubbing.DIAGNOSES, **audit.DIAGNOSES, **stats.DIAGNOSES,
-}
 
-#: exercise id -> correct implementations that differ only in method: graders must ACCEPT them
-NEGATIVE_CONTROLS = dict(stats.NEGATIVE_CONTROLS)
+def _tables() -> dict:
+    """``MUTANTS`` (exercise id -> [(name, implementation, what is wrong)], in exercise order),
+    ``DIAGNOSES`` ((exercise id, mutant name) -> words the grader's verdict must contain: the bug
+    class it names) and ``NEGATIVE_CONTROLS`` (exercise id -> correct implementations that differ
+    only in method: graders must ACCEPT them), merged from the per-exercise modules."""
+    modules = [importlib.import_module(f".{m}", __name__) for m in _TABLES]
+    return {"MUTANTS": {k: v for m in modules for k, v in m.MUTANTS.items()},
+            "DIAGNOSES": {k: v for m in modules for k, v in m.DIAGNOSES.items()},
+            "NEGATIVE_CONTROLS": dict(importlib.import_module(".stats", __name__).NEGATIVE_CONTROLS)}
 
-__all__ = [
-    "MUTANTS", "DIAGNOSES", "NEGATIVE_CONTROLS",
-    "zero_on_a_copy", "place_wipe_hits", "place_on_release", "place_keep_evicted", "place_finished_only",
-    "place_skip_aborted", "place_needs_a_request",
-    "encode_untyped", "encode_no_length", "encode_json_like",
-    "hash_untyped_concat", "hash_unchained", "hash_packed_no_boundaries", "hash_ignores_tenant",
-    "derive_unkeyed", "derive_none_is_empty", "derive_concat", "derive_no_secret_check",
-    "KeyedSaltNeverUsed", "KeyedFirstBlockOnly", "KeyedTruncated",
-    "keys_salt_last_block_only", "keys_salt_never_passed", "keys_straddling_block_public", "keys_unchained",
-    "layout_tenant_part_per_user", "layout_user_part_tenant_key", "layout_straddle_looser", "layout_user_not_bound",
-    "layout_joined_names", "layout_orphan_user",
-    "zero_k_only", "zero_layer0_only", "zero_wrong_dim", "zero_out_of_place",
-    "verdict_one_direction", "verdict_wrong_order",
-    "audit_one_direction", "audit_sequential", "audit_everything_cross", "audit_no_copy",
-    "ks_wrong_alternative", "ks_two_sided", "auc_flipped", "auc_ignores_ties",
-]
+
+def __getattr__(name: str):
+    if name in ("MUTANTS", "DIAGNOSES", "NEGATIVE_CONTROLS"):
+        globals().update(_tables())
+        return globals()[name]
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["MUTANTS", "DIAGNOSES", "NEGATIVE_CONTROLS", *_EXPORTS]

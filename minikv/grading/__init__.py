@@ -11,7 +11,8 @@ what each checks; ``make grade`` prints that table.
 
 One module per exercise: ``hashing`` (1, and the engine run that every hashing grader ends
 with), ``tenant_keys`` (2a-2c), ``key_layout`` (2d, an open design scored by its hit rate),
-``scrubbing`` (3a, 3b) and ``written_mutants`` (3c, write the mutant), ``isolation`` (4), ``stats`` (5);
+``scrubbing`` (3a, 3b), ``written_mutants`` (3c, write the mutant) and ``scrub_budget`` (3d, an open
+design scored by its cost), ``isolation`` (4), ``stats`` (5);
 ``engines`` builds the small real engines they run.  ``minikv.grading.mutants`` holds realistic wrong
 implementations of each exercise, one module per exercise (the tests prove every grader rejects them);
 ``minikv.grading.make_exercises`` generates ``exercises/`` from ``solutions/``;
@@ -20,6 +21,7 @@ implementations of each exercise, one module per exercise (the tests prove every
 from .hashing import check_chained_hash, check_encode_fields
 from .isolation import check_audit_verdict, check_isolation_audit
 from .key_layout import check_key_layout
+from .scrub_budget import check_scrub_budget
 from .scrubbing import check_scrub_placement, check_zero_blocks
 from .stats import check_ks_test, check_roc_auc
 from .tenant_keys import check_block_keys, check_tenant_key_derivation, check_tenant_keyed_hasher
@@ -28,5 +30,6 @@ from .written_mutants import check_written_mutants
 __all__ = [
     "check_encode_fields", "check_chained_hash", "check_tenant_key_derivation", "check_tenant_keyed_hasher",
     "check_block_keys", "check_key_layout", "check_zero_blocks", "check_scrub_placement", "check_written_mutants",
+    "check_scrub_budget",
     "check_audit_verdict", "check_isolation_audit", "check_ks_test", "check_roc_auc",
 ]

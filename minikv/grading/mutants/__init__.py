@@ -14,6 +14,7 @@ module              ex      the idea each mutant misses
 ``tenant_keys``     2a-2c   a secret-derived tenant key, in every private block
 ``key_layout``      2d      one key per scope: public, tenant, user (stricter wins)
 ``scrubbing``       3a-3c   zero exactly the recycled blocks, all of K and V
+``scrub_budget``    3d      zero what a handover needs, then, and nothing else
 ``audit``           4a-4b   an audit that can fail: both directions, batched
 ``stats``           5a-5b   a one-sided test, "faster => hit", ties worth 1/2
 ==================  ======  ====================================================
@@ -23,7 +24,7 @@ write it) keeps working.
 """
 from __future__ import annotations
 
-from . import audit, hashing, key_layout, scrubbing, stats, tenant_keys
+from . import audit, hashing, key_layout, scrub_budget, scrubbing, stats, tenant_keys
 from .audit import (audit_everything_cross, audit_no_copy, audit_one_direction, audit_sequential,
                     verdict_one_direction, verdict_wrong_order)
 from .key_layout import (layout_joined_names, layout_orphan_user, layout_straddle_looser,
@@ -40,16 +41,16 @@ from .tenant_keys import (KeyedFirstBlockOnly, KeyedSaltNeverUsed, KeyedTruncate
 
 #: exercise id -> [(name, implementation, what is wrong)], in exercise order.
 MUTANTS: dict[str, list[tuple[str, object, str]]] = {
-    **hashing.MUTANTS, **tenant_keys.MUTANTS, **key_layout.MUTANTS, **scrubbing.MUTANTS, **audit.MUTANTS, **stats.MUTANTS,
+    **hashing.MUTANTS, **tenant_keys.MUTANTS, **key_layout.MUTANTS, **scrubbing.MUTANTS, **scrub_budget.MUTANTS, **audit.MUTANTS, **stats.MUTANTS,
 }
 
 #: (exercise id, mutant name) -> words the grader's verdict must contain: the bug class it names
 DIAGNOSES: dict[tuple[str, str], str] = {
-    **hashing.DIAGNOSES, **tenant_keys.DIAGNOSES, **key_layout.DIAGNOSES, **scrubbing.DIAGNOSES, **audit.DIAGNOSES, **stats.DIAGNOSES,
+    **hashing.DIAGNOSES, **tenant_keys.DIAGNOSES, **key_layout.DIAGNOSES, **scrubbing.DIAGNOSES, **scrub_budget.DIAGNOSES, **audit.DIAGNOSES, **stats.DIAGNOSES,
 }
 
 #: exercise id -> correct implementations that differ only in method: graders must ACCEPT them
-NEGATIVE_CONTROLS = dict(stats.NEGATIVE_CONTROLS)
+NEGATIVE_CONTROLS = {**stats.NEGATIVE_CONTROLS, **scrub_budget.NEGATIVE_CONTROLS}
 
 __all__ = [
     "MUTANTS", "DIAGNOSES", "NEGATIVE_CONTROLS",

@@ -31,6 +31,8 @@ from .key_layout import (layout_joined_names, layout_orphan_user, layout_straddl
                          layout_tenant_part_per_user, layout_user_not_bound, layout_user_part_tenant_key)
 from .hashing import (encode_json_like, encode_no_length, encode_untyped, hash_ignores_tenant,
                       hash_packed_no_boundaries, hash_unchained, hash_untyped_concat)
+from .scrub_budget import (BudgetCachedOnly, BudgetEagerOnFree, BudgetEveryAlloc, BudgetMarkOnRelease,
+                           BudgetWipeOnCache, BudgetZeroEachEviction)
 from .scrubbing import (place_finished_only, place_keep_evicted, place_needs_a_request, place_on_release,
                         place_skip_aborted, place_wipe_hits, zero_k_only, zero_layer0_only, zero_on_a_copy,
                         zero_out_of_place, zero_wrong_dim)
@@ -64,6 +66,8 @@ __all__ = [
     "layout_tenant_part_per_user", "layout_user_part_tenant_key", "layout_straddle_looser", "layout_user_not_bound",
     "layout_joined_names", "layout_orphan_user",
     "zero_k_only", "zero_layer0_only", "zero_wrong_dim", "zero_out_of_place",
+    "BudgetEagerOnFree", "BudgetEveryAlloc", "BudgetCachedOnly", "BudgetWipeOnCache", "BudgetZeroEachEviction",
+    "BudgetMarkOnRelease",
     "verdict_one_direction", "verdict_wrong_order",
     "audit_one_direction", "audit_sequential", "audit_everything_cross", "audit_no_copy",
     "ks_wrong_alternative", "ks_two_sided", "auc_flipped", "auc_ignores_ties",

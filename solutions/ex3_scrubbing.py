@@ -15,13 +15,17 @@ so that no request can ever be handed another request's leftovers.
   all of them.  ``PlacedScrubber`` (given, ``minikv.grading.harness``) plugs your decision into
   the engine's ``Scrubber`` seam, so it runs inside the real engine;
 * 3c ``sneaky_zero_blocks_a`` and ``_b`` -- *write the mutant*: two wrong ``zero_blocks`` that a
-  colleague's quick test passes and 3a's grader catches, each for a different reason.
+  colleague's quick test passes and 3a's grader catches, each for a different reason;
+* 3d ``BudgetScrubber`` -- *an open design*: a scrubber that passes every stale-read check of 3b
+  and meets a cost budget: it zeroes no more bytes than the workload requires, in no more writes
+  than needed.  ``PlannedScrubber`` (given) asks it which blocks to zero on each event.
 
 The pool tensors are ``pool.k_cache`` and ``pool.v_cache``, both shaped
 ``[num_layers, num_blocks, block_size, num_kv_heads, head_dim]``.
 
 Run it with ``scrubbed_llm("tiny-random", ...)`` (an ``LLM`` whose scrubber follows your
-decision).  Grade with ``check_zero_blocks`` and ``check_scrub_placement``, or ``make grade``.
+decision), 3d with ``budget_llm("tiny-random", ...)``.  Grade with ``check_zero_blocks``,
+``check_scrub_placement``, ``check_written_mutants``, ``check_scrub_budget``, or ``make grade``.
 
 The reference scrubbers live in ``minikv.security.scrub``: do not import them (the grader refuses
 a file that does).
@@ -32,7 +36,7 @@ import torch
 
 from minikv.engine.lifecycle import LIFECYCLE, Transition  # the vocabulary: read its table
 # The given plumbing: plugs your decision into the engine's Scrubber seam (no answer in it).
-from minikv.grading.harness import KEEP, ZERO, PlacedScrubber, placed_llm  # noqa: F401
+from minikv.grading.harness import KEEP, ZERO, PlacedScrubber, PlannedScrubber, placed_llm, planned_llm  # noqa: F401
 
 
 def zero_blocks(pool, block_ids: list[int]) -> None:
@@ -155,3 +159,63 @@ def scrub_action(transition: Transition, seq) -> str:
 def scrubbed_llm(*args, **kwargs):
     """``LLM(*args, **kwargs)`` whose scrubber runs YOUR placement (3b) with YOUR zeroing (3a)."""
     return placed_llm(scrub_action, zero_blocks, *args, **kwargs)
+
+
+class BudgetScrubber:
+    """Exercise 3d, an open design: a scrubber within a cost budget that never lets a stale read through.
+
+    ``PlannedScrubber(BudgetScrubber(), zero)`` (given) calls ``plan`` on every block-lifecycle event
+    of one engine (a fresh ``BudgetScrubber()`` per engine) and zeroes the blocks it returns, all of
+    them in one indexed write per tensor, before the engine goes on.
+
+    ``plan(transition, block_ids) -> list[int]``:
+
+    * ``transition`` is the event's ``Transition`` value as a string (``"allocate"``, ``"free"``,
+      ``"evict"``, ``"cache"``, ``"hit"``, ``"adopt"``, ``"store"``, ...: ``LIFECYCLE``'s rows), and
+      ``block_ids`` its blocks;
+    * returns the ids of the blocks to zero *now* (``[]`` for none); they may be any blocks of the
+      pool, not only this event's.
+
+    Contract (``check_scrub_budget`` runs 3b's eight engines with it, checks first, then the cost):
+
+    * safety, as in 3b: no request is ever handed a block holding K/V it did not write, on any path
+      (finish, preemption, abort, LRU and quota eviction, ``reset_prefix_cache``), and nothing still
+      meant to be read is zeroed (outputs equal a cache-off engine's, same-tenant hits kept);
+    * bytes: the blocks you zero add up to at most 1.00x the *required* ones -- a block is required
+      each time it is handed to a new owner (``"allocate"``) after some request held it before;
+    * writes: at most one per handover that needs a scrub (each write is one kernel launch per tensor);
+    * deterministic: the same events give the same answers.
+
+    Stuck?  ``make hint EX=3d`` (three levels, one per call).
+    """
+
+    def __init__(self):
+        # BEGIN SOLUTION
+        self.used: set[int] = set()  # blocks some request has held since they were last zeroed
+        # END SOLUTION
+
+    def plan(self, transition: str, block_ids: list[int]) -> list[int]:
+        # BEGIN SOLUTION
+        if transition == "allocate":
+            # The last moment a block can be zeroed, and the only one where we know someone will read
+            # it: zero the handed-over blocks that ever had an owner (a fresh pool is zeros already).
+            # Blocks freed or evicted but never handed out again are never zeroed at all.
+            stale = [b for b in block_ids if b in self.used]
+            self.used.update(block_ids)  # the new owner writes them
+            return stale
+        if transition == "onload":
+            self.used.update(block_ids)  # KV tiers: verified K/V copied into a free block
+            return []
+        if transition == "offload":
+            # KV tiers: the sealed copy left for a tier; as minikv's scrubbers do, the plaintext dies now
+            self.used.difference_update(block_ids)
+            return list(block_ids)
+        # free, evict, cache, hit, adopt, store, promote, isolate: nothing is handed to a new owner
+        # (a hit or an adoption hands over data its reader is meant to have): zero nothing yet.
+        return []
+        # END SOLUTION
+
+
+def budget_llm(*args, **kwargs):
+    """``LLM(*args, **kwargs)`` whose scrubber asks a fresh ``BudgetScrubber`` (3d) what to zero."""
+    return planned_llm(BudgetScrubber(), *args, **kwargs)

@@ -402,3 +402,20 @@ def test_3c_smoke_test_passes_a_correct_zero_blocks_and_misses_real_bugs():
     assert {"k-only", "layer0-only"} <= set(survivors), survivors
     assert bug_class("block 3 was not zeroed (bug class: V forgotten): ...") == "V forgotten"
     assert bug_class("after f(pool, [1, 4]), block 2 changed: x") == bug_class("after f(pool, [8]), block 5 changed: y")
+
+
+def test_3d_budget_counts_the_workloads_required_blocks_whatever_the_scrubber():
+    """Exercise 3d's budget is counted, not timed: the required blocks (handovers of a block some request held
+    before) are the workload's, the same under every safe design; the reference zeroes exactly those in one
+    write per handover, and minikv's own two safe scrubbers are over budget, each for its own waste."""
+    from minikv.grading import scrub_budget as sb
+    from solutions.ex3_scrubbing import BudgetScrubber
+
+    ref = sb.reference_cost()
+    mine, cached = sb.measure(BudgetScrubber)
+    assert cached > 0 and mine == ref and ref["zeroed"] == ref["required"] > 0 and ref["writes"] == ref["handovers"]
+    eager, _ = sb.measure(M.BudgetEagerOnFree)
+    lazy, _ = sb.measure(M.BudgetEveryAlloc)
+    assert eager["required"] == lazy["required"] == ref["required"]
+    assert eager["unreused"] > 0 == eager["pristine"] and lazy["pristine"] > 0 == lazy["unreused"]
+    assert not sb.over_budget(ref) and sb.over_budget(eager) and sb.over_budget(lazy)

@@ -17,7 +17,7 @@ from tests.course_notebooks import ADDRESS, load, markdown, outputs
 
 LESSONS = {
     "07_tenant_keyed_hashing.ipynb": ("1a", "1b", "2a", "2b", "2c", "2d", "5a"),
-    "08_scrubbing.ipynb": ("3a", "3b", "3c", "4a"),
+    "08_scrubbing.ipynb": ("3a", "3b", "3c", "3d", "4a"),
 }
 REFERENCES = ["cache_salt", "#44701", "#30827", "#53347", "CVE-2025-25183", "Shadow in the Cache",
               "Auditing Prompt Caching in Language Model APIs"]

@@ -11,7 +11,8 @@ what each checks; ``make grade`` prints that table.
 
 One module per exercise: ``hashing`` (1, and the engine run that every hashing grader ends
 with), ``tenant_keys`` (2a-2c), ``key_layout`` (2d, an open design scored by its hit rate),
-``scrubbing`` (3a, 3b) and ``written_mutants`` (3c, write the mutant), ``isolation`` (4), ``stats`` (5);
+``scrubbing`` (3a, 3b), ``written_mutants`` (3c, write the mutant) and ``scrub_budget`` (3d, an open
+design scored by its cost), ``isolation`` (4), ``stats`` (5);
 ``engines`` builds the small real engines they run.  ``minikv.grading.mutants`` holds realistic wrong
 implementations of each exercise, one module per exercise (the tests prove every grader rejects them);
 ``minikv.grading.make_exercises`` generates ``exercises/`` from ``solutions/``;
@@ -26,6 +27,7 @@ _EXPORTS = {
     "check_encode_fields": "hashing", "check_chained_hash": "hashing",
     "check_audit_verdict": "isolation", "check_isolation_audit": "isolation",
     "check_key_layout": "key_layout",
+    "check_scrub_budget": "scrub_budget",
     "check_zero_blocks": "scrubbing", "check_scrub_placement": "scrubbing",
     "check_ks_test": "stats", "check_roc_auc": "stats",
     "check_block_keys": "tenant_keys", "check_tenant_key_derivation": "tenant_keys",

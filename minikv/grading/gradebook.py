@@ -55,7 +55,7 @@ from .runner import EXERCISES, RESULT_MARK, sign
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "submission"
 #: points of each check: the one weights table (a check passed scores its weight, else 0)
-WEIGHTS = {"1a": 1, "1b": 2, "2a": 2, "2b": 2, "2c": 2, "2d": 3, "3a": 1, "3b": 3, "3c": 2, "4a": 1, "4b": 3,
+WEIGHTS = {"1a": 1, "1b": 2, "2a": 2, "2b": 2, "2c": 2, "2d": 3, "3a": 1, "3b": 3, "3c": 2, "3d": 3, "4a": 1, "4b": 3,
            "5a": 2, "5b": 1, "L1": 4, "L2": 4, "L3": 4, "L4": 3, "C": 8}
 #: a student's status is the worst of its checks', in this order
 SEVERITY = ("tampering", "error", "timeout", "refused", "failed", "passed")

@@ -74,6 +74,59 @@ class PlacedScrubber:
         self._apply("on_isolate", pool, block_ids)
 
 
+class PlannedScrubber(PlacedScrubber):
+    """``PlannedScrubber(planner, zero)``: exercise 3d's plumbing.  On every lifecycle event it asks
+    ``planner.plan(transition, block_ids)`` (the transition's string value and the event's block ids,
+    as data) which blocks to zero *now*, and zeroes them with ``zero(pool, ids)``: one indexed write
+    per tensor, however many blocks.  The planner may name any blocks of the pool, not only the
+    event's (a deferred design zeroes blocks it remembered earlier).  ``writes`` counts the calls
+    that zeroed something, ``blocks`` the distinct blocks they zeroed; ``observer(ids)``, when set,
+    sees every write (the 3d grader's cost meter).  Attach it like ``PlacedScrubber``."""
+
+    def __init__(self, planner, zero: Callable):
+        super().__init__(None, zero)
+        self.planner, self.writes, self.blocks, self.observer = planner, 0, 0, None
+
+    def _apply(self, hook: str, pool, block_ids) -> None:
+        if self._event is None or LIFECYCLE[self._event[0]].hook != hook:
+            raise RuntimeError(f"{hook} called without its lifecycle event: call attach(engine) first")
+        got = self.planner.plan(str(self._event[0]), list(block_ids))
+        ids = sorted(set(_block_ids(got, pool.k_cache.shape[1])))
+        if ids:
+            self.zero(pool, ids)
+            self.writes, self.blocks = self.writes + 1, self.blocks + len(ids)
+            if self.observer is not None:
+                self.observer(ids)
+
+    def on_offload(self, pool, block_ids):
+        self._apply("on_offload", pool, block_ids)
+
+    def on_onload(self, pool, block_ids):
+        self._apply("on_onload", pool, block_ids)
+
+
+def _block_ids(got, num_blocks: int) -> list[int]:
+    """``plan``'s answer as block ids; TypeError/IndexError for anything else (a clear failure)."""
+    if got is None or isinstance(got, (str, bytes)) or not hasattr(got, "__iter__"):
+        raise TypeError(f"plan() must return a list of block ids, got {type(got).__name__}")
+    ids = list(got)
+    bad = [b for b in ids if isinstance(b, bool) or not isinstance(b, int) or not 0 <= b < num_blocks]
+    if bad:
+        raise IndexError(f"plan() returned {bad[:3]}: not blocks of this pool (0..{num_blocks - 1})")
+    return ids
+
+
+def planned_llm(planner, *args, **kwargs):
+    """``LLM(*args, **kwargs)`` whose scrubber is ``PlannedScrubber(planner, <minikv's zero_blocks>)``."""
+    from ..llm import LLM
+    from ..security.scrub import zero_blocks
+
+    scrubber = PlannedScrubber(planner, zero_blocks)
+    llm = LLM(*args, scrubber=scrubber, **kwargs)
+    scrubber.attach(llm.engine)
+    return llm
+
+
 def placed_llm(action: Callable, zero: Callable, *args, **kwargs):
     """``LLM(*args, **kwargs)`` whose scrubber is ``PlacedScrubber(action, zero)``, attached."""
     from ..llm import LLM

@@ -23,6 +23,8 @@ FORBIDDEN_PHRASES: dict[str, list[str]] = {
            "consecutive"],
     "3b": ["decide by the transition", "never by why", "must be kept", "on the way into the free list",
            "(free, evict)", "Transition.FREE", "zero either"],
+    "3d": ["zero on allocation", "b in self.used", "self.used.update", "a fresh pool is zeros",
+           "never zero on free", "ever had an owner", "last moment"],
     "L1": ["for each filling", "one more character", "never send one probe twice", ">= the block's end",
            "itertools.product", "'#'"],
     "1b": ["hashlib.sha256", "BLOCK_DOMAIN", "followed by all four fields", "keep the whole digest",
@@ -142,6 +144,22 @@ HINTS: dict[str, list[str]] = {
            "    if transition in (...):               # the rows that hand old bytes to a new reader\n"
            "        return ZERO\n"
            "    return KEEP"],
+    "3d": ["Print the budget check's score for minikv's two safe scrubbers (lesson 08 runs them as planners).  "
+           "Each one is over budget: which blocks did each zero that nobody needed zeroed?  What was in them "
+           "when it zeroed them?",
+           "A block must be zero before someone who did not write it reads it.  At which event of LIFECYCLE is "
+           "that reader known for sure, and what would your planner need to remember, from earlier events, "
+           "to know whether a block handed over then can hold anything at all?  Which paths of 3b must that "
+           "memory survive?",
+           "    def __init__(self):\n"
+           "        self.<memory> = set()          # what you must know about each block\n"
+           "    def plan(self, transition, block_ids):\n"
+           "        if transition == ...:           # the one event where a new reader is certain\n"
+           "            out = [...]                 # only the blocks that can hold old K/V\n"
+           "            ...                         # update the memory: who writes them now?\n"
+           "            return out\n"
+           "        ...                             # (tiers: 'onload' writes a block too)\n"
+           "        return []"],
     "4a": ["An audit that can never fail proves nothing.  What does '0 cross-tenant hits' mean when "
            "the audit never saw ANY hit?",
            "Three verdicts, tested in order: any cross-tenant cached token is a failure (a leak is a "

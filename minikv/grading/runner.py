@@ -22,7 +22,7 @@ from contextlib import redirect_stdout
 from dataclasses import dataclass
 from typing import Callable
 
-from . import guard, hashing, isolation, key_layout, scrubbing, stats, tenant_keys, written_mutants
+from . import guard, hashing, isolation, key_layout, scrub_budget, scrubbing, stats, tenant_keys, written_mutants
 from . import capstone, labs_detector, labs_oracle, labs_prior  # the attack labs and the capstone (H8)
 
 
@@ -58,7 +58,8 @@ _TABLE = (
         ("3a", "zero_blocks", scrubbing.check_zero_blocks, "zero blocks: all layers, K and V"),
         ("3b", "scrub_action", scrubbing.check_scrub_placement, "scrub placement in the block lifecycle"),
         ("3c", "sneaky_zero_blocks_a", written_mutants.check_written_mutants,
-         "write the mutant: bugs a smoke test misses, 3a's grader catches", ("sneaky_zero_blocks_b",)))),
+         "write the mutant: bugs a smoke test misses, 3a's grader catches", ("sneaky_zero_blocks_b",)),
+        ("3d", "BudgetScrubber", scrub_budget.check_scrub_budget, "open design: a scrubber within a cost budget"))),
     ("ex4_isolation_audit", "08", (
         ("4a", "audit_verdict", isolation.check_audit_verdict, "two-directional verdict"),
         ("4b", "isolation_audit", isolation.check_isolation_audit, "concurrent isolation audit"))),

@@ -69,17 +69,19 @@ class _DirtyWatch:
                 self.dirty.append(f"block {bid} to a request of tenant {seq.tenant!r}")
 
 
-def _run_path(path: str, action) -> None:
-    """Run ``path`` on a fresh engine with ``action``; raise CheckFailed if a request ever got a dirty block."""
+def _run_path(path: str, scrubber, watch=None) -> None:
+    """Run ``path`` on a fresh engine with ``scrubber`` (attached here; ``watch(engine)``, if given, is
+    called first); raise CheckFailed if a request ever got a dirty block."""
     caching = path not in ("finish", "preempt", "abort")  # the first three: every release is a 'free'
     kwargs = dict(enable_prefix_caching=caching, **({} if path == "quota" else UNLIMITED))
     kwargs["num_blocks"] = {"preempt": 9, "quota": 64, "reset": 24}.get(path, 16)
     if path == "quota":
         kwargs["max_cached_blocks_per_tenant"] = 2
-    scrubber = PlacedScrubber(action, ref_zero_blocks)
     llm = tiny_llm(scrubber=scrubber, **kwargs)
     eng = llm.engine
     scrubber.attach(eng)
+    if watch is not None:
+        watch(eng)
     watch = _DirtyWatch(eng)
     if path == "preempt":  # two long decodes in 9 blocks: the newer one is preempted, its blocks reused
         llm.generate(["p0 short", "p1 short", "p2 short"],
@@ -152,17 +154,18 @@ def _same_logits(trace, ref_trace) -> bool:
         torch.allclose(x, y, atol=1e-4) for x, y in zip(a[r], b[r])) for r in a)
 
 
-def _placed_llm(action):
-    """A caching engine whose scrubber follows ``action`` (zeroing with minikv's own zero_blocks)."""
-    scrubber = PlacedScrubber(action, ref_zero_blocks)
+def _scrubbed_llm(scrubber, watch=None):
+    """A caching engine with ``scrubber`` attached (and ``watch(engine)`` called, if given)."""
     llm = tiny_llm(enable_prefix_caching=True, num_blocks=NUM_BLOCKS, scrubber=scrubber)
     scrubber.attach(llm.engine)
+    if watch is not None:
+        watch(llm.engine)
     return llm
 
 
-def _check_adoption(action) -> None:
+def _check_adoption(scrubber, watch=None) -> None:
     """ADOPT_PLAN's logits must equal a cache-off engine's: the twin adopted at commit is live."""
-    llm = _placed_llm(action)
+    llm = _scrubbed_llm(scrubber, watch)
     adopted = []
     llm.engine.block_manager.listeners.insert(  # first: it sees the adoption even if the scrub raises
         0, lambda t, ids, seq: adopted.extend(ids) if t == Transition.ADOPT else None)
@@ -170,34 +173,42 @@ def _check_adoption(action) -> None:
     if not adopted:
         raise RuntimeError("grader bug: two copies of one prompt in one step adopted nothing")
     failed = llm.engine.stats["failed"]
-    expect(not failed, f"{failed} request(s) failed when one prompt arrived twice in one step: your scrub_action "
+    expect(not failed, f"{failed} request(s) failed when one prompt arrived twice in one step: your scrubber "
            "raised when the second request ADOPTED the first's blocks at commit (bug class: a transition left "
            "undecided)", "'adopt' is a row of LIFECYCLE like the others: decide it (it hands over a live block).")
     expect(_same_logits(trace, _reference(False, ADOPT_PLAN)[0]),
-           "outputs differ from a cache-off engine's when one prompt arrives twice in one step: your placement "
+           "outputs differ from a cache-off engine's when one prompt arrives twice in one step: your scrubber "
            "zeroed the block the second request ADOPTED at commit, which both requests still read (bug class: "
            "wipes every ADOPTED block)",
            "an adoption hands over a live block, as a hit does: keep it.  The duplicate it lets go of leaves "
            "through 'free', and is scrubbed there.")
 
 
-@single_thread()
 def engine_stage_placement(action) -> tuple[list[int], int]:
-    """Every path, then the hit workload, then an adoption; raise :class:`CheckFailed` on the first
-    failure.  Returns (cached tokens per request, engine steps) of the hit workload."""
+    """Every path, then the hit workload, then an adoption, each with a ``PlacedScrubber`` following
+    ``action``; raise :class:`CheckFailed` on the first failure.  Returns (cached tokens per request,
+    engine steps) of the hit workload."""
+    return engine_stage(lambda: PlacedScrubber(action, ref_zero_blocks))
+
+
+@single_thread()
+def engine_stage(new_scrubber, watch=None) -> tuple[list[int], int]:
+    """:func:`engine_stage_placement` for any scrubber: ``new_scrubber()`` builds a fresh one (with an
+    ``attach(engine)``) for each of the 8 engines, ``watch(engine)`` sees each engine (exercise 3d
+    meters its cost there)."""
     for path in PATHS:
-        _run_path(path, action)
-    llm = _placed_llm(action)
+        _run_path(path, new_scrubber(), watch)
+    llm = _scrubbed_llm(new_scrubber(), watch)
     trace, cached = _workload(llm)
     _, ref_cached = _reference(True)
     expect(cached == ref_cached, f"same-tenant hits lost: cached tokens per request {cached}, minikv's scrubber keeps "
            f"{ref_cached} (bug class: scrubbing destroys the reuse the cache exists for)",
            "a hit, a store and a block released into the cache hold data that is MEANT to be read again.")
     ref_trace, _ = _reference(False)
-    expect(_same_logits(trace, ref_trace), "outputs differ from a cache-off engine's: your placement zeroed K/V that "
+    expect(_same_logits(trace, ref_trace), "outputs differ from a cache-off engine's: your scrubber zeroed K/V that "
            "a running request or a cache hit still needed (bug class: scrub destroys live data)",
            "zero only blocks on their way into (or out of) the free list -- never live or cached ones.")
-    _check_adoption(action)
+    _check_adoption(new_scrubber(), watch)
     return cached, llm.engine.stats["steps"]
 
 

@@ -28,12 +28,14 @@ import importlib
 # Lazy (PEP 562), like ``minikv.grading``: a lab's mutant guesser runs in a fresh interpreter per
 # victim, and must not import every exercise's mutants (torch, the engine) to get there.
 #: the per-exercise modules whose tables MUTANTS, DIAGNOSES and NEGATIVE_CONTROLS merge, in order
-_TABLES = ("hashing", "tenant_keys", "key_layout", "scrubbing", "audit", "stats")
+_TABLES = ("hashing", "tenant_keys", "key_layout", "scrubbing", "scrub_budget", "audit", "stats")
 #: implementation name -> the module that defines it (the names lessons write as ``mutants.X``)
 _EXPORTS = {name: module for module, names in {
     "scrubbing": ("zero_on_a_copy", "place_wipe_hits", "place_on_release", "place_keep_evicted",
                   "place_finished_only", "place_skip_aborted", "place_needs_a_request",
                   "zero_k_only", "zero_layer0_only", "zero_wrong_dim", "zero_out_of_place"),
+    "scrub_budget": ("BudgetEagerOnFree", "BudgetEveryAlloc", "BudgetCachedOnly", "BudgetWipeOnCache",
+                     "BudgetZeroEachEviction", "BudgetMarkOnRelease"),
     "hashing": ("encode_untyped", "encode_no_length", "encode_json_like", "hash_untyped_concat",
                 "hash_unchained", "hash_packed_no_boundaries", "hash_ignores_tenant"),
     "tenant_keys": ("derive_unkeyed", "derive_none_is_empty", "derive_concat", "derive_no_secret_check",
@@ -55,7 +57,7 @@ def _tables() -> dict:
     modules = [importlib.import_module(f".{m}", __name__) for m in _TABLES]
     return {"MUTANTS": {k: v for m in modules for k, v in m.MUTANTS.items()},
             "DIAGNOSES": {k: v for m in modules for k, v in m.DIAGNOSES.items()},
-            "NEGATIVE_CONTROLS": dict(importlib.import_module(".stats", __name__).NEGATIVE_CONTROLS)}
+            "NEGATIVE_CONTROLS": {k: v for m in modules for k, v in getattr(m, "NEGATIVE_CONTROLS", {}).items()}}
 
 
 def __getattr__(name: str):

@@ -67,6 +67,13 @@ def test_triton_is_a_registry_entry_for_cuda_only():
         resolve_backend("triton", "cuda", 24, "float32")
 
 
+def test_an_engine_on_the_cpu_refuses_the_triton_backend_by_name():
+    from minikv import LLM
+
+    with pytest.raises(ValueError, match="attention_backend='triton'"):
+        LLM("tiny-random", device="cpu", attention_backend="triton")
+
+
 def test_triton_backend_without_triton_says_so(monkeypatch):
     from minikv.engine import attention_backends
 

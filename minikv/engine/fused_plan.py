@@ -137,9 +137,8 @@ def _group(kind, starts, news, contexts, tables, *, block_size, pad_block, rep, 
 
 
 def _triton_group(seqs: list[tuple], pad_block: int, device) -> Group:
-    """One ``"triton"`` group of ``seqs`` (``(start_row, num_new, context_len, block_table)``):
-    ``table`` [S, width], ``ctx`` [S, 3] each sequence's (first row, new tokens, context length),
-    sent in one copy (``stored_lists``' layout); the kernel writes the step's output rows itself."""
+    """One ``"triton"`` group of ``seqs`` (``(start_row, num_new, context_len, block_table)``): ``table``
+    [S, width], ``ctx`` [S, 3] (first row, new tokens, context length); the kernel writes the rows."""
     table, meta = to_device_split(stored_lists(seqs, [], pad_block), device)
     return Group("triton", slice(0, 0), slice(0, 0), None, max(q[1] for q in seqs),
                  table.view(len(seqs), -1), ctx=meta.view(len(seqs), 3))
@@ -196,9 +195,8 @@ def build_plan(model, positions: torch.Tensor, slots: torch.Tensor, prefills: li
     SDPA one sequence at a time.  It reduces in another order than SDPA, so its prefills are no
     longer transformers' bits: 5.8e-5 (tiny-random) and 1.8e-4 (SmolLM2, largest logit 37.7) apart
     in fp32, on prompts of up to 700 tokens, within the decode tolerance (2e-4).  ``score``, whose
-    logits are the ones compared with transformers', leaves it off and stays bit for bit.  ``triton``
-    (CUDA): prefix hits and decodes form one ``"triton"`` group for the Triton kernel
-    (``paged_triton.py``), which reads the pool in place; fresh prefills keep SDPA.  A step of prefix hits without a fresh
+    logits are the ones compared with transformers', leaves it off and stays bit for bit.  ``triton``: hits
+    and decodes in one group for the Triton kernel (``paged_triton.py``).  A step of prefix hits without a fresh
     prefill runs :func:`stored_plan` instead (the tiled kernel reading the pool in place; an
     earlier row-at-a-time version lost to gather + SDPA, this one mostly wins: kernel / (gather +
     SDPA) per layer, 20 new tokens over 1,012, 0.50 fp32 and 0.46 bf16, interleaved medians on

@@ -48,7 +48,8 @@ class Group:
     prefills: the new tokens over the whole context, read from the pool, with a mask),
     ``"decode"`` (one query per sequence, over the pool, with a mask) or ``"paged"`` (every
     decode, read in place by the C++ kernel: ``table`` is then [S, width] and
-    ``ctx`` the context lengths; no mask, no gather)."""
+    ``ctx`` the context lengths; no mask, no gather) or ``"triton"`` (CUDA: hits and decodes
+    read in place by the Triton kernel; ``ctx`` [S, 3] each one's first row, new tokens, context)."""
 
     kind: str
     rows: torch.Tensor | slice  # [S, n_max] flat rows of the queries (decode: a slice, one row each)

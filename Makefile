@@ -12,6 +12,8 @@
 #                 model, with a summary (< 6 min; exit 2 when there is no CUDA device;
 #                 scripts/gpu_check.py --dry-run-cpu runs its steps on the CPU)
 #   make bench-peers  minikv vs vLLM's offline LLM, same workload and checkpoint (needs `make vllm`)
+#   make triton   install Triton (TRITON_VERSION, from PyPI) into .triton-site, outside .venv, so the
+#                 tests can run minikv's Triton kernel in Triton's interpreter (tests/test_paged_triton.py)
 #   make kernels  build minikv's C++ paged decode-attention kernel for this CPU (~20 s, once; part
 #                 of `make model`; without a C++ compiler minikv runs pure PyTorch instead)
 #   make upgrade-deps  re-pin constraints.txt to the newest releases (a throw-away venv
@@ -29,7 +31,7 @@ MODEL := smollm2-135m-instruct
 NOTEBOOKS := $(wildcard course/*.ipynb)
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 
-.PHONY: setup upgrade-deps model kernels chromium course test test-all test-suite test-py test-nb test-thorough test-timing grade hint bench gpu-check bench-peers clean vllm vllm-start vllm-stop redis redis-stop gu-data
+.PHONY: triton setup upgrade-deps model kernels chromium course test test-all test-suite test-py test-nb test-thorough test-timing grade hint bench gpu-check bench-peers clean vllm vllm-start vllm-stop redis redis-stop gu-data
 
 setup:
 	@$(PYTHON) scripts/bootstrap.py
@@ -139,6 +141,14 @@ endif
 
 hint: setup
 	@$(PY) -m minikv.grading.hints $(EX)
+
+# Triton for the tests of the "triton" backend, run in its interpreter (TRITON_INTERPRET=1) in
+# subprocesses: a folder of its own, never .venv, whose torch.compile must not see a second Triton
+# (torch's CUDA builds ship theirs). --no-deps: Triton needs nothing else at run time.
+TRITON_VERSION ?= 3.9.0
+triton: setup
+	@[ -d .triton-site/triton-$(TRITON_VERSION).dist-info ] || { rm -rf .triton-site && \
+	  $(PY) -m pip install --quiet --no-deps --target .triton-site triton==$(TRITON_VERSION); }
 
 bench: model
 	$(PY) -m minikv.bench

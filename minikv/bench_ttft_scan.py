@@ -84,8 +84,8 @@ def flop_floor_ms(model, length: int) -> float:
 
 
 def run_scan(path: str, device: str, dtypes=("bfloat16", "float32"), lengths=LENGTHS, pairs=PAIRS,
-             kv_cache_gb: float = 2.0, floor_length: int = FLOOR_LENGTH) -> dict:
-    """Every dtype and length: ``{dtype: {"rows": [...], "floor": {...}}}``."""
+             kv_cache_gb: float = 2.0, floor_length: int = FLOOR_LENGTH, attention_backend: str = "auto") -> dict:
+    """Every dtype and length: ``{dtype: {"rows": [...], "floor": {...}}}``, on ``attention_backend``."""
     from minikv import LLM
     from minikv.engine import UnsafeSettingWarning
 
@@ -94,6 +94,7 @@ def run_scan(path: str, device: str, dtypes=("bfloat16", "float32"), lengths=LEN
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UnsafeSettingWarning)  # "shared" is the point here
             llm = LLM(path, device=device, dtype=dtype, enable_prefix_caching=True, cache_isolation="shared",
+                      attention_backend=attention_backend,
                       kv_cache_memory_gb=kv_cache_gb, max_num_batched_tokens=max(8192, max(lengths) + TAIL))
         rows = [scan_length(llm, n, pairs, seed=17 * i) for i, n in enumerate(lengths)]
         floor = None

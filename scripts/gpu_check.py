@@ -18,7 +18,12 @@ and the byte-level test tokenizer, saves it to a temporary directory and checks 
 4. issue 38's TTFT scan (``minikv.bench_ttft_scan``): prefix hit against miss at 256, 1,024, 4,096
    and 7,000 tokens, bf16 and fp32, 12 alternating pairs each, medians of the engine's TTFT, the
    one-sided Mann-Whitney p and a 1,024-token miss against its FLOP floor, printed as issue 38's
-   table with PASS/FAIL per row against its targets (each a check of the summary).
+   table with PASS/FAIL per row against its targets (each a check of the summary), then again in
+   bf16 on the ``triton`` backend (its rows named ``[triton] ...``);
+5. the ``triton`` backend (Triton paged attention, hits read in place from the pool): its kernel
+   against the reference attention on prefill, hit, decode and mixed calls in fp32, fp16 and
+   bf16, and a tiny-random engine on it against the reference backend (run after step 1; in a
+   dry run under Triton's interpreter when ``make triton`` has installed it).
 
 Exit status: 0 when every check passed, 1 when one failed, 2 when there is **no CUDA device**
 ("no CUDA device: nothing to check"): a GPU check that checked nothing has not passed, so a CI
@@ -172,15 +177,65 @@ def scan_step(results: list, path: str, device: str) -> None:
                         f"{rows} rows, {time.perf_counter() - t0:.0f} s"))
     else:
         results.extend(verdicts(scan))
+        triton_scan(results, path)
 
 
-def run(cmd: list[str], timeout: int) -> tuple[int, str, float]:
-    """``cmd`` in the repository, with the repository first on ``PYTHONPATH`` and whatever was
-    on it kept after (packages carried to an offline GPU box often come in that way)."""
+def triton_scan(results: list, path: str) -> None:
+    """The scan again in bf16 on the ``triton`` backend (hits read the pool in place, no gather),
+    its rows checks of their own, named ``[triton] ...``."""
+    from minikv.bench_ttft_scan import format_scan, run_scan, verdicts
+
     t0 = time.perf_counter()
     try:
+        scan = run_scan(device="cuda", path=path, dtypes=("bfloat16",), attention_backend="triton")
+    except Exception as exc:  # noqa: BLE001 -- as scan_step
+        traceback.print_exc()
+        results.append(("[triton] ttft scan", False, f"raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"))
+        return
+    print(f"\n== TTFT scan, triton backend (bf16; {time.perf_counter() - t0:.0f} s) ==", flush=True)
+    print("\n".join(format_scan(scan)), flush=True)
+    results.extend((f"[triton] {name}", ok, detail) for name, ok, detail in verdicts(scan))
+
+
+def triton_step(results: list, device: str) -> None:
+    """The ``triton`` backend: its kernel against the reference attention on prefill, hit, decode
+    and mixed calls (``scripts/triton_check.py``), and a tiny-random engine on it against the
+    reference backend step by step (``tests/triton_engine_check.py``).  On CUDA with torch's own
+    Triton, bf16 included; in a dry run in Triton's interpreter, from ``.triton-site`` (``make
+    triton``; without it the dry run says so and checks nothing of Triton)."""
+    extra = {}
+    if device == "cpu":
+        if not (ROOT / ".triton-site" / "triton").is_dir():
+            print("  (triton backend not checked in this dry run: no .triton-site, `make triton` installs it)", flush=True)
+            return
+        extra = {"PYTHONPATH": str(ROOT / ".triton-site"), "TRITON_INTERPRET": "1"}
+    dtypes = "float32,float16" if device == "cpu" else "float32,float16,bfloat16"
+    for name, cmd in ((f"triton kernel == reference attention (prefill, hit, decode, mixed; {dtypes})",
+                       ["scripts/triton_check.py", "--device", device, "--dtypes", dtypes]),
+                      ("triton backend == reference backend (tiny-random engine, step by step)",
+                       ["tests/triton_engine_check.py", device])):
+        rc, out, secs = run([sys.executable, *cmd], timeout=300, extra=extra)
+        if rc != 0:
+            print("\n".join(out.strip().splitlines()[-60:]), flush=True)
+        worst: dict[str, float] = {}  # per dtype, over the four kinds of call
+        for row in (json.loads(ln) for ln in out.splitlines() if ln.startswith("{")):
+            worst[row["dtype"]] = max(worst.get(row["dtype"], 0.0), row["max_abs_diff"])
+        detail = ("worst |diff| " + ", ".join(f"{d} {w:.2g}" for d, w in worst.items()) if worst
+                  else (out.strip().splitlines() or [""])[-1])
+        results.append((name, rc == 0, f"{detail} ({secs:.0f} s)"))
+        print(f"  {'PASS' if rc == 0 else 'FAIL'}  {name}: {detail}", flush=True)
+
+
+def run(cmd: list[str], timeout: int, extra: dict | None = None) -> tuple[int, str, float]:
+    """``cmd`` in the repository, with the repository first on ``PYTHONPATH`` and whatever was
+    on it kept after (packages carried to an offline GPU box often come in that way).  ``extra``:
+    more environment (its ``PYTHONPATH`` goes after the repository's)."""
+    t0 = time.perf_counter()
+    extra = dict(extra or {})
+    path = os.pathsep.join(filter(None, (str(ROOT), extra.pop("PYTHONPATH", None), os.environ.get("PYTHONPATH"))))
+    try:
         p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                           env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (str(ROOT), os.environ.get("PYTHONPATH"))))})
+                           env={**os.environ, **extra, "PYTHONPATH": path})
         return p.returncode, p.stdout + p.stderr, time.perf_counter() - t0
     except subprocess.TimeoutExpired as exc:
         return 124, f"timed out after {timeout} s\n{exc.stdout or ''}", time.perf_counter() - t0
@@ -226,6 +281,7 @@ def main(argv=None) -> int:
             ap.error(f"--layers must be at least 1, got {args.layers}")
         path = build_random_smollm2(Path(args.keep or tmp) / "random-smollm2-shape", args.layers)
         results = check_correctness(path, device)
+        triton_step(results, device)
         collect = ["--collect-only"] if args.cuda_tests == "collect" else []
         rc, out, secs = run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *collect, "-k", "cuda",
                              "tests/test_attention_fused.py", "tests/test_attention_pad_block.py",

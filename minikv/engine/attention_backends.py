@@ -16,6 +16,13 @@ minikv has two implementations of the same forward pass, chosen by
   (``paged_cpu.py``), which follows each sequence's block table and reads K and V where they
   lie in the pool: no gathered copy, no padding to the longest context, no mask.  CPU only; the
   kernel is compiled once at set-up (``make model``), never by a request.
+* ``"triton"`` -- ``"fused"``, except that prefix hits, and the decodes that share their steps,
+  attend through minikv's Triton kernel (``paged_triton.py``, ``paged_triton_kernel.py``), which
+  reads K and V where they lie in the pool through each block table, as ``"paged"`` does on
+  the CPU: no per-layer gather of whole blocks into a contiguous copy.  CUDA only, where torch's
+  build ships Triton; decode-only steps replay the fused backend's CUDA graphs (unless
+  ``enforce_eager``: then they too go to the kernel).  Fresh prefills keep SDPA.  Never picked by
+  ``"auto"``: no GPU has measured it yet.
 * ``"auto"`` -- ``"paged"`` on a CPU where set-up built the kernel, ``"fused"`` everywhere else
   (measured on the 2-core CPU, see docs/BENCHMARKS.md).  It never compiles anything: on the
   CPU ``flex_attention`` works only through ``torch.compile`` (about 27 s for the first compile
@@ -31,8 +38,9 @@ BACKENDS = {
     "reference": "explicit per-layer gather and masks (what the lessons read)",
     "fused": "per-step metadata, batched SDPA per layer, no per-layer casts",
     "paged": "fused, with minikv's C++ CPU kernels: decodes and prefix hits read in place from the pool, fresh prefills in one call",
+    "triton": "fused, with minikv's Triton kernel on CUDA: prefix hits and decodes read in place from the pool",
 }
-FUSED = ("fused", "paged")  # the backends that run attention_fused.fused_forward
+FUSED = ("fused", "paged", "triton")  # the backends that run attention_fused.fused_forward
 ATTENTION_BACKENDS = (*BACKENDS, "auto")
 
 
@@ -50,6 +58,17 @@ def resolve_backend(name: str, device_type: str, head_dim: int | None = None, dt
         if not _kernel_built():
             raise RuntimeError("attention_backend='paged' needs its kernel built once: `make model` or "
                                "`python -m minikv.engine.paged_cpu` (a C++ compiler is required); 'fused' needs none")
+        return name
+    if name == "triton":
+        if device_type != "cuda":
+            raise ValueError(f"attention_backend='triton' is minikv's Triton kernel for CUDA; on {device_type!r} "
+                             "use 'fused' or 'auto'")
+        if head_dim is not None and (head_dim < 16 or head_dim & (head_dim - 1)):
+            raise ValueError(f"attention_backend='triton': head_dim {head_dim} is not a power of two >= 16; "
+                             "use 'fused' or 'auto'")
+        if not _triton_importable():
+            raise RuntimeError("attention_backend='triton' needs Triton, which torch's CUDA builds ship; "
+                               "this torch has none: use 'fused' or 'auto'")
         return name
     if name != "auto":
         return name
@@ -72,6 +91,12 @@ def _kernel_unsupported(head_dim, dtype) -> str | None:
     if dtype is not None and dtype not in KERNEL_DTYPES:
         return f"dtype {dtype!r} is not one of {KERNEL_DTYPES}"
     return None
+
+
+def _triton_importable() -> bool:
+    import importlib.util  # finds the package without importing it
+
+    return importlib.util.find_spec("triton") is not None
 
 
 def _kernel_built() -> bool:

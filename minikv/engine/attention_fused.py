@@ -50,6 +50,7 @@ from .fused_plan import FusedPlan, Group, kv_views
 from .matmuls import matmuls_for
 from .paged_cpu import paged_decode, paged_prefill, prefill_attention, rms_norm as kernel_rms_norm, rope_ as kernel_rope_
 from .paged_cpu import rope_store_ as kernel_rope_store_
+from .paged_triton import paged_attention as triton_attention
 
 
 def attend(layer: int, q: torch.Tensor, kv: torch.Tensor, pool, plan: FusedPlan,
@@ -59,13 +60,16 @@ def attend(layer: int, q: torch.Tensor, kv: torch.Tensor, pool, plan: FusedPlan,
     t, heads, dim = q.shape
     kv_heads = pool.num_kv_heads
     rep = heads // kv_heads
-    if len(plan.groups) > 1 or plan.groups[0].kind == "causal":
+    if len(plan.groups) > 1 or plan.groups[0].kind in ("causal", "triton"):
         out = q.new_empty(t, heads * dim)
     if any(g.kind in ("fresh", "causal") for g in plan.groups):  # they attend over the new K/V themselves
         k, v = kv.chunk(2, dim=1)
     for g in plan.groups:
         if g.kind == "causal":  # every fresh prefill, one kernel call writing its rows of ``out``
             prefill_attention(q, k, v, g.table, scale, out=out)
+            continue
+        if g.kind == "triton":  # hits and decodes, K/V read where they lie in the pool (CUDA)
+            triton_attention(q, pool.kv_blocks[layer], g.table, g.ctx, scale, out=out, n_max=g.n_max)
             continue
         if g.kind == "paged":  # one query row per sequence; K and V read where they lie in the pool
             o = paged_decode(q if g.rows == slice(0, t) else q[g.rows], pool.kv_blocks[layer], g.table, g.ctx, scale)

@@ -61,7 +61,8 @@ class EngineConfig:
         seed: seeds the engine RNG used by requests that set no seed of their own.
         attention_backend: ``"reference"`` (the explicit gather the lessons read), ``"fused"``
             (per-step metadata, batched attention), ``"paged"`` (fused, decodes read in place
-            by the prebuilt C++ CPU kernel) or ``"auto"`` (paged where built, else fused; never
+            by the prebuilt C++ CPU kernel), ``"triton"`` (CUDA: fused, prefix hits and their
+            steps' decodes read in place by a Triton kernel) or ``"auto"`` (paged where built, else fused; never
             compiles); see ``attention_backends.py``.  All compute the same logits.
         enforce_eager: never run CUDA graphs (vLLM's name and meaning); by default a decode-only
             step of the fused backend on CUDA replays one (``cuda_graphs.py``).

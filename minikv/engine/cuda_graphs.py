@@ -127,8 +127,9 @@ class DecodeGraphRunner:
     @classmethod
     def for_engine(cls, engine) -> DecodeGraphRunner | None:
         """The engine's runner, or None where graphs do not apply: not CUDA, not the fused
-        backend, or ``enforce_eager``.  Cheap: nothing is allocated before the first step."""
-        if engine.device.type != "cuda" or engine.attention_backend != "fused" or engine.config.enforce_eager:
+        or triton backend, or ``enforce_eager``.  Cheap: nothing is allocated before the first step."""
+        if engine.device.type != "cuda" or engine.attention_backend not in ("fused", "triton") \
+                or engine.config.enforce_eager:  # triton: its decode-only steps replay the fused graphs
             return None
         return cls(engine)
 

@@ -48,7 +48,8 @@ class Group:
     prefills: the new tokens over the whole context, read from the pool, with a mask),
     ``"decode"`` (one query per sequence, over the pool, with a mask) or ``"paged"`` (every
     decode, read in place by the C++ kernel: ``table`` is then [S, width] and
-    ``ctx`` the context lengths; no mask, no gather)."""
+    ``ctx`` the context lengths; no mask, no gather) or ``"triton"`` (CUDA: hits and decodes
+    read in place by the Triton kernel; ``ctx`` [S, 3] each one's first row, new tokens, context)."""
 
     kind: str
     rows: torch.Tensor | slice  # [S, n_max] flat rows of the queries (decode: a slice, one row each)
@@ -136,6 +137,14 @@ def _group(kind, starts, news, contexts, tables, *, block_size, pad_block, rep, 
                  torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf")))
 
 
+def _triton_group(seqs: list[tuple], pad_block: int, device) -> Group:
+    """One ``"triton"`` group of ``seqs`` (``(start_row, num_new, context_len, block_table)``): ``table``
+    [S, width], ``ctx`` [S, 3] (first row, new tokens, context length); the kernel writes the rows."""
+    table, meta = to_device_split(stored_lists(seqs, [], pad_block), device)
+    return Group("triton", slice(0, 0), slice(0, 0), None, max(q[1] for q in seqs),
+                 table.view(len(seqs), -1), ctx=meta.view(len(seqs), 3))
+
+
 def decode_mask(ctx: torch.Tensor, num_keys: int, dtype) -> torch.Tensor:
     """[S, 1, 1, num_keys] additive mask of a decode group (0 where a query may look, -inf where
     not): sequence ``i`` sees its first ``ctx[i]`` key slots, never the rest of its last block or
@@ -177,7 +186,7 @@ def rope_tables(model) -> tuple[torch.Tensor, torch.Tensor]:
 
 def build_plan(model, positions: torch.Tensor, slots: torch.Tensor, prefills: list[tuple],
                decodes: list[tuple], block_size: int, pad_block: int, paged: bool = False,
-               causal_kernel: bool = False, extra_groups: tuple[Group, ...] = ()) -> FusedPlan:
+               causal_kernel: bool = False, extra_groups: tuple[Group, ...] = (), triton: bool = False) -> FusedPlan:
     """``prefills``: ``(start_row, num_new, context_len, block_table)`` per prefilling sequence;
     ``decodes``: ``(row, context_len, block_table)`` per decoding one (rows after the prefills);
     ``extra_groups``: groups planned by the caller (``cuda_graphs.py``'s static decode group).
@@ -187,7 +196,8 @@ def build_plan(model, positions: torch.Tensor, slots: torch.Tensor, prefills: li
     SDPA one sequence at a time.  It reduces in another order than SDPA, so its prefills are no
     longer transformers' bits: 5.8e-5 (tiny-random) and 1.8e-4 (SmolLM2, largest logit 37.7) apart
     in fp32, on prompts of up to 700 tokens, within the decode tolerance (2e-4).  ``score``, whose
-    logits are the ones compared with transformers', leaves it off and stays bit for bit.  A step of prefix hits without a fresh
+    logits are the ones compared with transformers', leaves it off and stays bit for bit.  ``triton``: hits
+    and decodes in one group for the Triton kernel (``paged_triton.py``).  A step of prefix hits without a fresh
     prefill runs :func:`stored_plan` instead (the tiled kernel reading the pool in place; an
     earlier row-at-a-time version lost to gather + SDPA, this one mostly wins: kernel / (gather +
     SDPA) per layer, 20 new tokens over 1,012, 0.50 fp32 and 0.46 bf16, interleaved medians on
@@ -210,6 +220,9 @@ def build_plan(model, positions: torch.Tensor, slots: torch.Tensor, prefills: li
         rows = torch.where(model._rope_heads_v, s.max_position, positions.view(-1, 1))  # [T, heads]
         cos, sin = cos_table[rows], sin_table[rows]
     groups = []
+    if triton and (hits := [p for p in prefills if p[1] < p[2]] + [(d[0], 1, d[1], d[2]) for d in decodes]):
+        groups.append(_triton_group(hits, pad_block, device))
+        prefills, decodes = [p for p in prefills if p[1] == p[2]], []
     for kind in ("fresh", "cached"):
         mine = [p for p in prefills if (p[1] == p[2]) == (kind == "fresh")]
         if not mine:

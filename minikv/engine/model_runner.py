@@ -25,7 +25,8 @@ from .sequence import Sequence
 
 
 def prepare_inputs(prefills: list[Sequence], decodes: list[Sequence], block_size: int, device,
-                   pad_block: int, model=None, paged: bool = False, causal_kernel: bool = False):
+                   pad_block: int, model=None, paged: bool = False, causal_kernel: bool = False,
+                   triton: bool = False):
     """Returns ``(input_ids, positions, meta, last_rows)``; ``last_rows[i]`` is the flat row of
     sequence i's last new token (prefills then decodes): the row we sample its next token from.
 
@@ -34,7 +35,8 @@ def prepare_inputs(prefills: list[Sequence], decodes: list[Sequence], block_size
     with ``pad_block``, the pool's reserved always-zero block (``KVPool.pad_block``), never with
     a block some request owns.  ``paged``: the fused plan's decodes go to the C++ kernel
     (``paged_cpu.py``) as one group; ``causal_kernel`` (with ``paged``): its fresh prefills too,
-    to the prefill kernel (``fused_plan.build_plan`` says why ``score`` does not)."""
+    to the prefill kernel (``fused_plan.build_plan`` says why ``score`` does not).  ``triton``:
+    its prefix hits and decodes to the Triton paged-attention kernel as one group (CUDA)."""
     if model is not None:  # fused: decode rows by context length, so groups of similar length are slices
         decodes_in_order, decodes = decodes, sorted(decodes, key=lambda s: s.num_tokens)
     ids, pos, slots, items, row_of = [], [], [], [], {}
@@ -52,7 +54,7 @@ def prepare_inputs(prefills: list[Sequence], decodes: list[Sequence], block_size
     if model is not None and stores(model, paged, items):  # prefix hits on the kernels: one copy for all
         *tensors, table, seqs = to_device_split([ids, pos, slots, last_rows, *stored_lists(items, dec, pad_block)], device)
         return tensors[0], tensors[1], stored_plan(model, tensors[1], tensors[2], table, seqs), tensors[3]
-    if model is not None and not paged and (seqs := hit_seqs(items, dec)) is not None:  # hits, plain PyTorch
+    if model is not None and not paged and not triton and (seqs := hit_seqs(items, dec)) is not None:  # hits, plain PyTorch
         rep = model.shape.num_heads // model.shape.num_kv_heads
         ids_t, pos_t, slots_t, last_t, *lists = to_device_split([ids, pos, slots, last_rows,
                                                                  *hit_lists(seqs, pad_block, rep)], device)
@@ -60,7 +62,7 @@ def prepare_inputs(prefills: list[Sequence], decodes: list[Sequence], block_size
     input_ids, positions, slots_t, last_rows_t = to_device_split([ids, pos, slots, last_rows], device)
     if model is not None:
         return input_ids, positions, build_plan(model, positions, slots_t, items, dec, block_size, pad_block,
-                                                  paged=paged, causal_kernel=causal_kernel), last_rows_t
+                                                  paged=paged, causal_kernel=causal_kernel, triton=triton), last_rows_t
     tables = lens = None
     if decodes:
         width = max(len(s.block_table) for s in decodes)
@@ -84,7 +86,7 @@ def _fused(engine, input_ids, positions, plan) -> torch.Tensor:
 
 
 # The attention backends' forward passes, by the names of ``attention_backends.BACKENDS``.
-FORWARDS = {"reference": _reference, "fused": _fused, "paged": _fused}
+FORWARDS = {"reference": _reference, "fused": _fused, "paged": _fused, "triton": _fused}
 
 
 def run_model(engine, prefills: list[Sequence], decodes: list[Sequence], all_rows: bool = False) -> torch.Tensor:
@@ -96,12 +98,13 @@ def run_model(engine, prefills: list[Sequence], decodes: list[Sequence], all_row
     backend = engine.attention_backend
     if engine.decode_mask is not None or engine.kv_read_observer is not None:
         backend = "reference"
-    if backend == "fused" and engine.graphs is not None and decodes and not prefills and engine.graphs.fits(decodes):
+    if backend in ("fused", "triton") and engine.graphs is not None and decodes and not prefills and engine.graphs.fits(decodes):
         return engine.graphs.run(decodes)  # decode-only on CUDA: one graph replay (cuda_graphs.py)
     input_ids, positions, meta, last_rows = prepare_inputs(
         prefills, decodes, engine.block_size, engine.device, engine.pool.pad_block,
         engine.model if backend in FUSED else None, paged=backend == "paged",
-        causal_kernel=backend == "paged" and not all_rows)  # score (all_rows) keeps transformers' bits
+        causal_kernel=backend == "paged" and not all_rows,  # score (all_rows) keeps transformers' bits
+        triton=backend == "triton")
     hidden = FORWARDS[backend](engine, input_ids, positions, meta)
     rows = hidden if all_rows else hidden[last_rows]
     if backend in FUSED:  # the LM head too may run on packed weights (matmuls.py)

@@ -250,6 +250,8 @@ def main(argv=None) -> int:
                     help="run every step on the CPU instead: checks this script and its imports before a GPU "
                          "session spends its minutes on them; it checks nothing about CUDA")
     ap.add_argument("--skip-scan", action="store_true", help="no TTFT scan (issue 38)")
+    ap.add_argument("--skip-triton", action="store_true",
+                    help="no triton-backend checks (tests/test_paged_triton.py runs the same two in make test)")
     ap.add_argument("--layers", type=int, default=None,
                     help="decoder layers of the random model (SmolLM2's 30; tests/test_gpu_check.py uses 2)")
     ap.add_argument("--cuda-tests", choices=("run", "collect"), default="run",
@@ -281,7 +283,8 @@ def main(argv=None) -> int:
             ap.error(f"--layers must be at least 1, got {args.layers}")
         path = build_random_smollm2(Path(args.keep or tmp) / "random-smollm2-shape", args.layers)
         results = check_correctness(path, device)
-        triton_step(results, device)
+        if not args.skip_triton:
+            triton_step(results, device)
         collect = ["--collect-only"] if args.cuda_tests == "collect" else []
         rc, out, secs = run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *collect, "-k", "cuda",
                              "tests/test_attention_fused.py", "tests/test_attention_pad_block.py",

@@ -37,8 +37,10 @@ def test_without_cuda_it_refuses_with_status_2():
 def test_dry_run_on_the_cpu_runs_every_step_and_summarizes_the_bench(tmp_path):
     # two of SmolLM2's 30 layers, and the -k cuda tests only collected (make test runs them itself): the
     # same code paths as a GPU run, in about a tenth of the time
+    # --skip-triton: tests/test_paged_triton.py runs the triton checks themselves, in the interpreter;
+    # here they would run a second time where .triton-site exists (about 20 s on a quiet 2-core machine)
     p = _run("--dry-run-cpu", "--layers", "2", "--cuda-tests", "collect", "--requests", "2", "--max-tokens", "4",
-             "--report", str(tmp_path / "report"))
+             "--skip-triton", "--report", str(tmp_path / "report"))
     out = p.stdout
     assert p.returncode == 0, (out[-3000:], p.stderr[-3000:])
     # --report: the bench's JSON and the summary's checks, as printed, come back from a GPU box as files

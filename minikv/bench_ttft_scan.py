@@ -83,6 +83,38 @@ def flop_floor_ms(model, length: int) -> float:
     return 1000 * prefill_flops(model, [length]) / max(matmul_passes(model, length))
 
 
+def forward_floors(config: dict, context: int, computed: int, bytes_per_param: int) -> dict:
+    """The work one prefill step cannot avoid: ``computed`` new tokens after ``context`` cached ones
+    (a miss has ``context=0``), for a Llama-style ``config`` (a checkpoint's config.json, as a dict).
+
+    FLOPs: 2 per weight per new token in every layer's matmuls (q/k/v, o, gate/up, down); the LM head
+    on the last token only (one row of logits); attention, ``QK^T`` and ``PV``, 4 per head dimension
+    per query head per key, where new token ``j`` (1-based) sees ``context + j`` keys.  Bytes: every
+    weight read once (an untied embedding's rows aside: a lookup reads only ``computed`` of them), and
+    the K/V of every position once (the cached read, the new written).  Norms and RoPE are left out
+    of the FLOPs (a few per element, next to the thousands per token of the matmuls)."""
+    h, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    heads, kv_heads, vocab = config["num_attention_heads"], config["num_key_value_heads"], config["vocab_size"]
+    d = config.get("head_dim") or h // heads
+    tied = config.get("tie_word_embeddings", False)
+    per_layer = h * (heads + 2 * kv_heads) * d + heads * d * h + 3 * h * inter  # qkv, o, gate+up, down
+    norms = (2 * layers + 1) * h
+    params = layers * per_layer + norms + vocab * h * (1 if tied else 2)
+    keys = computed * context + computed * (computed + 1) // 2  # sum over the new tokens of the keys each sees
+    flops = {"matmul": 2 * layers * per_layer * computed, "head": 2 * h * vocab,
+             "attention": 4 * heads * d * layers * keys}
+    read = {"weights": bytes_per_param * (layers * per_layer + norms + vocab * h),
+            "kv": bytes_per_param * 2 * kv_heads * d * layers * (context + computed)}
+    return {"params": params, "flops": sum(flops.values()), "flops_by_part": flops,
+            "bytes": sum(read.values()), "bytes_by_part": read}
+
+
+def floor_s(floors: dict, flop_per_s: float, byte_per_s: float) -> float:
+    """Seconds ``floors`` (from :func:`forward_floors`) take at best on a device with those rates:
+    the larger of its arithmetic at ``flop_per_s`` and its memory traffic at ``byte_per_s``."""
+    return max(floors["flops"] / flop_per_s, floors["bytes"] / byte_per_s)
+
+
 def run_scan(path: str, device: str, dtypes=("bfloat16", "float32"), lengths=LENGTHS, pairs=PAIRS,
              kv_cache_gb: float = 2.0, floor_length: int = FLOOR_LENGTH, attention_backend: str = "auto") -> dict:
     """Every dtype and length: ``{dtype: {"rows": [...], "floor": {...}}}``, on ``attention_backend``."""

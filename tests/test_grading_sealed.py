@@ -133,3 +133,65 @@ def test_the_secret_stayed_out_of_reach(gradebook):
     msg = rows["proc_mem"].messages["L1"]
     assert "/mem" in msg or "/maps" in msg or "/cmdline" in msg, msg
     assert "recovered" not in msg.split("tampering")[0]  # never graded as a recovered secret
+
+
+# -- the walls themselves, one submission at a time -------------------------------------------------
+
+_CHILD = r"""
+import json, os, sys
+out = {}
+for name, path in (("inside", sys.argv[1]), ("outside", sys.argv[2])):
+    try:
+        with open(path, "w") as f:
+            f.write("overwritten by learner code")
+        out[name] = "wrote"
+    except OSError as exc:
+        out[name] = f"refused {exc.errno}"
+try:
+    os.kill(int(sys.argv[3]), 0)  # signal 0: only asks whether this process could signal the grader
+    out["signal"] = "allowed"
+except OSError as exc:
+    out["signal"] = f"refused {exc.errno}"
+print(json.dumps(out))
+"""
+
+
+def _child_as_sealed(tmp_path, writable):
+    import functools
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from minikv.grading._sandbox import _limits
+
+    (tmp_path / "mine").mkdir(exist_ok=True)
+    canary = tmp_path / "grader_owned.py"
+    canary.write_text("ORIGINAL = True\n")
+    p = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path / "mine" / "scratch.txt"), str(canary), str(os.getpid())],
+                       preexec_fn=functools.partial(_limits, writable), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    return json.loads(p.stdout), canary.read_text()
+
+
+def test_a_sealed_child_cannot_write_outside_its_folder_nor_signal_its_grader(tmp_path):
+    from minikv.grading._sandbox import landlock_abi
+
+    if landlock_abi() == 0:
+        pytest.skip("this kernel has no Landlock (Linux 5.13+): `minikv grade` says so in its isolation line")
+    seen, canary = _child_as_sealed(tmp_path, str(tmp_path / "mine"))
+    assert seen["inside"] == "wrote", seen  # its own temporary folder stays usable
+    assert seen["outside"].startswith("refused") and canary == "ORIGINAL = True\n", seen
+    if landlock_abi() >= 6:
+        assert seen["signal"].startswith("refused"), seen
+
+
+def test_without_landlock_a_uid0_child_could_rewrite_the_graders_files(tmp_path):
+    # the control: the same child with every capability dropped but no Landlock.  As uid 0 it still
+    # owns root's files, so it rewrites one: the gap the ruleset closes (as a second user, DAC does)
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("the gap is a uid-0 child's; this grader is not root")
+    seen, canary = _child_as_sealed(tmp_path, None)
+    assert seen["outside"] == "wrote" and canary.startswith("overwritten"), seen

@@ -29,6 +29,7 @@ the runner can report "tampering detected" for a check whose child tried to reac
 from __future__ import annotations
 
 import builtins
+import functools
 import os
 import select
 import shutil
@@ -108,7 +109,8 @@ class SealedChild:
         extra = {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []} if user is not None else {}
         self.proc = subprocess.Popen([sys.executable, "-I", "-B", "-c", boot], cwd=home, env=env,
                                      stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log,
-                                     pass_fds=(to_child, from_child), preexec_fn=_limits, start_new_session=True,
+                                     pass_fds=(to_child, from_child), preexec_fn=functools.partial(_limits, str(self.tmp)),
+                                     start_new_session=True,
                                      **extra)
         os.close(to_child)
         os.close(from_child)

@@ -53,6 +53,13 @@ def test_make_test_runs_one_worker_per_core_and_8_gb():
     assert mod.workers(1, 64 * G) == 0
     out = subprocess.run([sys.executable, str(Path(spec.origin))], capture_output=True, text=True, check=True).stdout
     assert re.fullmatch(r"\d+\n", out), out
+    # and each worker's share of the cores, as OMP_NUM_THREADS: never more threads than cores in all
+    assert mod.threads(2, 2) == 1 and mod.threads(16, 8) == 2 and mod.threads(8, 3) == 2
+    assert mod.threads(4, 0) == 4 and mod.threads(1, 2) == 1  # no xdist: every core; never zero threads
+    out = subprocess.run([sys.executable, str(Path(spec.origin)), "--threads", "2"], capture_output=True, text=True, check=True).stdout
+    assert re.fullmatch(r"\d+\n", out) and int(out) >= 1, out
+    bad = subprocess.run([sys.executable, str(Path(spec.origin)), "--threads", "two"], capture_output=True, text=True)
+    assert bad.returncode != 0 and "'two'" in bad.stderr, bad.stderr
 
 
 def test_over_budget_it_names_the_biggest_process_and_the_test_files_that_raised_the_peak(tmp_path):

@@ -9,6 +9,19 @@ from __future__ import annotations
 from ._table import entries
 
 
+class _Ledger:
+    """The bookkeeping four of these designs share: a set of blocks that may hold old K/V, and the
+    lazy half of the job, zeroing the marked blocks of an allocation (and only those)."""
+
+    def __init__(self):
+        self.dirty: set[int] = set()
+
+    def take(self, block_ids) -> list[int]:
+        out = [b for b in block_ids if b in self.dirty]
+        self.dirty.difference_update(block_ids)
+        return out
+
+
 class BudgetEagerOnFree:
     """minikv's ``ScrubOnFree`` as a planner: zero every block on its way into the free list (freed
     or evicted).  Safe, but it pays for blocks that nobody allocates again."""
@@ -25,22 +38,15 @@ class BudgetEveryAlloc:
         return list(block_ids) if transition == "allocate" else []
 
 
-class BudgetCachedOnly:
+class BudgetCachedOnly(_Ledger):
     """Lazy, remembering only blocks released into the prefix cache ("only the cache keeps old data
     around"): a block freed without being cached -- a finished request's partial block, any block
     with caching off, a preempted or aborted request's -- is handed out again unscrubbed."""
 
-    def __init__(self):
-        self.dirty: set[int] = set()
-
     def plan(self, transition, block_ids):
         if transition == "cache":
             self.dirty.update(block_ids)
-        if transition == "allocate":
-            out = [b for b in block_ids if b in self.dirty]
-            self.dirty.difference_update(block_ids)
-            return out
-        return []
+        return self.take(block_ids) if transition == "allocate" else []
 
 
 class BudgetWipeOnCache:
@@ -60,13 +66,10 @@ class BudgetWipeOnCache:
         return []
 
 
-class BudgetZeroEachEviction:
+class BudgetZeroEachEviction(_Ledger):
     """Exact bytes by a different road: an evicted block is zeroed the moment it is evicted (an
     LRU eviction happens only because an allocation needs the block, so it is reused at once), a
     freed one on allocation.  But evictions come one block at a time: a write per evicted block."""
-
-    def __init__(self):
-        self.dirty: set[int] = set()
 
     def plan(self, transition, block_ids):
         if transition == "evict":
@@ -74,29 +77,18 @@ class BudgetZeroEachEviction:
             return list(block_ids)
         if transition == "free":
             self.dirty.update(block_ids)
-        if transition == "allocate":
-            out = [b for b in block_ids if b in self.dirty]
-            self.dirty.difference_update(block_ids)
-            return out
-        return []
+        return self.take(block_ids) if transition == "allocate" else []
 
 
-class BudgetMarkOnRelease:
+class BudgetMarkOnRelease(_Ledger):
     """CORRECT, by another road than the reference: remember a block as dirty when it goes back to
     the free list (freed or evicted), zero the dirty ones when they are handed out.  Every block
     that can hold old K/V reaches the free list through one of those two rows, so it is as exact."""
 
-    def __init__(self):
-        self.dirty: set[int] = set()
-
     def plan(self, transition, block_ids):
         if transition in ("free", "evict"):
             self.dirty.update(block_ids)
-        if transition == "allocate":
-            out = [b for b in block_ids if b in self.dirty]
-            self.dirty.difference_update(block_ids)
-            return out
-        return []
+        return self.take(block_ids) if transition == "allocate" else []
 
 
 MUTANTS = {

@@ -97,7 +97,7 @@ redis-stop:
 # time; 0 is one process; auto (the default) is one per core and 8 GB (scripts/test_workers.py).  On the
 # 2-core, 24 GB machine, once engines shared their weights: two workers 16 min 08 s, one process 26 min 38 s
 # (with set-up), largest process 3.4 GB either way; since the suite grew, two workers 20 min 28 s, and with one
-# torch thread per worker and light graded children 13 min 54 s with set-up (docs/INSTALL.md).
+# torch thread per worker and light graded children 13 min 26 s and 13 min 54 s with set-up (docs/INSTALL.md).
 TEST_WORKERS ?= auto
 WORKERS = $(if $(filter auto,$(TEST_WORKERS)),$(shell $(PYTHON) scripts/test_workers.py),$(TEST_WORKERS))
 # Each worker's share of the cores as OMP_NUM_THREADS (unless you set it): torch's default of one thread

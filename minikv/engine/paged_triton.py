@@ -1,8 +1,9 @@
 """The ``triton`` backend's attention call: launch the Triton paged-attention kernel.
 
 The kernel itself (``paged_triton_kernel.py``) is the textbook part; this module is the
-plumbing around it: whether Triton is here at all, and how one call of
-:func:`paged_attention` becomes a launch grid.
+plumbing around it: how one call of :func:`paged_attention` becomes a launch grid.  Whether
+Triton is here at all is ``attention_backends.resolve_backend``'s question, asked before an
+engine is built.
 
 Triton is imported lazily, on the first launch, never when minikv is imported: the CPU builds
 of torch do not ship it, and minikv's own environment never installs it (a second copy beside
@@ -17,8 +18,6 @@ stops at each sequence's context).
 """
 from __future__ import annotations
 
-import functools
-import importlib.util
 import math
 
 import torch
@@ -26,12 +25,6 @@ import torch
 # Query rows (token, head pairs) per program.  16 is the smallest tile ``tl.dot`` takes on a
 # GPU; a decode of SmolLM2 (3 query heads per KV head) uses 3 of them, a 20-token hit 60 of 64.
 BLOCK_M = 16
-
-
-@functools.cache
-def available() -> bool:
-    """Whether Triton can be imported here (it is not imported by asking)."""
-    return importlib.util.find_spec("triton") is not None
 
 
 def paged_attention(q: torch.Tensor, kv_blocks: torch.Tensor, table: torch.Tensor, seqs: torch.Tensor,

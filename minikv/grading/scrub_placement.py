@@ -82,7 +82,7 @@ def _run_path(path: str, scrubber, watch=None) -> None:
     scrubber.attach(eng)
     if watch is not None:
         watch(eng)
-    watch = _DirtyWatch(eng)
+    handed = _DirtyWatch(eng)
     if path == "preempt":  # two long decodes in 9 blocks: the newer one is preempted, its blocks reused
         llm.generate(["p0 short", "p1 short", "p2 short"],
                      SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True), tenant=["t0", "t1", "t2"])
@@ -106,11 +106,11 @@ def _run_path(path: str, scrubber, watch=None) -> None:
         for i in range(6 if path != "quota" else 8):
             llm.generate([TEXTS[i], TEXTS[(i + 3) % 8]] if path == "quota" else [TEXTS[i]], GEN,
                          tenant=[f"t{i}", f"t{i}"] if path == "quota" else f"t{i}")
-    if not watch.reused:
+    if not handed.reused:
         raise RuntimeError(f"grader bug: the {path!r} path never recycled a released block")
     bug, why = PATHS[path]
-    expect(not watch.dirty, f"{bug}: the engine handed {len(watch.dirty)} block(s) still holding old K/V to new "
-           f"requests, e.g. {watch.dirty[0] if watch.dirty else ''}", why)
+    expect(not handed.dirty, f"{bug}: the engine handed {len(handed.dirty)} block(s) still holding old K/V to new "
+           f"requests, e.g. {handed.dirty[0] if handed.dirty else ''}", why)
 
 
 #: Requests of 6 tenants, alone and in batches, with repeats (cache hits) and evictions; indexes

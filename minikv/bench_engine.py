@@ -30,6 +30,7 @@ import torch
 from .bench_base import completed, random_prompts, resident, sync, timed
 from .bench_prefill import format_prefill
 from .engine import SamplingParams
+from .engine.cuda_graphs import REPLAY
 from .engine.matmuls import amx_available
 
 BATCH_FOR_OPS = 16
@@ -129,7 +130,9 @@ def count_ops(fn, device) -> dict[str, int]:
     """Operators (ATen's, oneDNN's, minikv's) that ``fn()`` dispatches from Python (top level: ops
     an op calls inside are not counted), by name; on CUDA ``"cuda kernels"`` counts the kernels
     launched too.  On a GPU a small model's step is launch-bound, so these counts, not FLOPs,
-    explain its time."""
+    explain its time.  A graph replay (``cuda_graphs.REPLAY``) is one op, as it is one launch for
+    the host; ``"replayed ops"`` counts the ops the CPU's eager stand-in runs inside it (on CUDA
+    the replay runs kernels, not ops: 0), the step's work in ops where nothing was captured."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -141,17 +144,20 @@ def count_ops(fn, device) -> dict[str, int]:
         parent = e.cpu_parent
         if _is_op(e.name) and (parent is None or not _is_op(parent.name)):
             counts[e.name] = counts.get(e.name, 0) + 1
+        elif _is_op(e.name) and parent.name == REPLAY:
+            counts["replayed ops"] = counts.get("replayed ops", 0) + 1
         if device.type == "cuda" and getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA:
             counts["cuda kernels"] = counts.get("cuda kernels", 0) + 1
     return counts
 
 
 def op_totals(counts: dict[str, int]) -> dict:
-    """``ops`` (all operators), ``casts`` (dtype conversions) and ``cuda_kernels`` (None on a CPU)
+    """``ops`` (all operators, a graph replay as one), ``casts`` (dtype conversions),
+    ``cuda_kernels`` (None on a CPU) and ``replayed`` (ops run inside replays, see :func:`count_ops`)
     of a :func:`count_ops` result."""
     return {"ops": sum(v for k, v in counts.items() if _is_op(k)),
             "casts": counts.get("aten::to", 0) + counts.get("aten::_to_copy", 0),
-            "cuda_kernels": counts.get("cuda kernels")}
+            "cuda_kernels": counts.get("cuda kernels"), "replayed": counts.get("replayed ops", 0)}
 
 
 def count_decode_ops(engine, batch=BATCH_FOR_OPS, seed=0) -> dict[str, int]:

@@ -1,5 +1,8 @@
 """CUDA graphs for decode-only steps: record the step's kernels once, replay them every step.
 
+(Prefill steps of one sequence, a prefix hit or a miss, replay graphs too: ``prefill_graphs.py``,
+on the :class:`GraphRunner` base and the capture strategies of this module.)
+
 **Why.**  A decode step of a small model is *launch-bound*: each token does little arithmetic,
 but the forward is hundreds of small operations.  The fused backend dispatches about 500 ops
 per decode step for SmolLM2 at batch 16 (counted with ``torch.profiler`` on the CPU, see
@@ -65,13 +68,24 @@ def bucket(sizes: list[int], n: int) -> int | None:
     return next((s for s in sizes if s >= n), None)
 
 
+# The profiler's name for a replay.  ``bench_engine.count_ops`` counts it as one dispatched op and
+# not what runs inside it, as a CUDA host dispatches one graph launch for the whole step (issue 38's
+# proxy: "graph replays count as one"); the eager stand-in below is marked the same way, so the CPU
+# counts what a GPU's host would, and reports the ops inside separately.
+REPLAY = "minikv::graph_replay"
+
+
 def eager_capture():
     """The CPU's stand-in for a graph: "replaying" runs the static-buffer function again and
     writes its logits into one tensor kept from the capture, as a graph's replay overwrites its
     output (so a caller that kept last step's logits would see them change here too)."""
     def capture(fn):
         out = fn()  # like the CUDA warm-up: runs the step, and running it again changes nothing
-        return lambda: out.copy_(fn())
+
+        def replay():
+            with torch.profiler.record_function(REPLAY):
+                return out.copy_(fn())
+        return replay
     return capture
 
 
@@ -96,7 +110,8 @@ def cuda_capture():
             out = fn()
 
         def replay():
-            graph.replay()
+            with torch.profiler.record_function(REPLAY):
+                graph.replay()
             return out  # the graph writes its logits into the same memory on every replay
         return replay
     return capture
@@ -106,32 +121,53 @@ def cuda_capture():
 CAPTURES = {"cuda": cuda_capture, "eager": eager_capture}
 
 
-class DecodeGraphRunner:
-    """Runs an engine's decode-only steps through captured graphs, one per bucket pair.
+class GraphRunner:
+    """What every graph runner keeps: the capture strategy (``"cuda"`` on a GPU, ``"eager"`` for
+    tests on the CPU), the replays by bucket key, how many graphs were built (``captures``) and how
+    many steps ran through them (``replays``)."""
 
-    ``captures`` counts graphs built, ``replays`` steps run; ``capture`` names the strategy
-    (``"cuda"`` on a GPU; ``"eager"`` for tests on the CPU)."""
+    # The attention backends whose steps a runner replays (engines of other backends get none).
+    BACKENDS: tuple[str, ...] = ()
 
     def __init__(self, engine, capture: str = "cuda"):
         if capture not in CAPTURES:
             raise ValueError(f"capture={capture!r} is not one of {', '.join(CAPTURES)}")
         self.model, self.pool, self.block_size = engine.model, engine.pool, engine.block_size
         self.device = engine.device
-        self.batch_sizes = batch_buckets(engine.config.max_num_seqs)
-        self.widths = width_buckets(min(math.ceil(engine.max_model_len / self.block_size), engine.num_blocks))
         self.capture = CAPTURES[capture]()
-        self.graphs: dict[tuple[int, int], object] = {}  # (batch, width) -> replay()
+        self.graphs: dict[tuple, object] = {}  # bucket key -> replay()
         self.captures = self.replays = 0
-        self._static: torch.Tensor | None = None  # allocated on first use: most engines never decode on CUDA
 
     @classmethod
-    def for_engine(cls, engine) -> DecodeGraphRunner | None:
-        """The engine's runner, or None where graphs do not apply: not CUDA, not the fused
-        or triton backend, or ``enforce_eager``.  Cheap: nothing is allocated before the first step."""
-        if engine.device.type != "cuda" or engine.attention_backend not in ("fused", "triton") \
-                or engine.config.enforce_eager:  # triton: its decode-only steps replay the fused graphs
+    def for_engine(cls, engine):
+        """The engine's runner, or None where graphs do not apply: not CUDA, another attention
+        backend, or ``enforce_eager``.  Cheap: nothing is allocated before the first step."""
+        if engine.device.type != "cuda" or engine.attention_backend not in cls.BACKENDS \
+                or engine.config.enforce_eager:
             return None
         return cls(engine)
+
+    def _replay(self, key: tuple, step_fn) -> torch.Tensor:
+        """Replay bucket ``key``'s graph, capturing ``step_fn()`` (which makes the function to
+        capture) on the bucket's first use."""
+        if key not in self.graphs:
+            self.graphs[key] = self.capture(step_fn())
+            self.captures += 1
+        self.replays += 1
+        return self.graphs[key]()
+
+
+class DecodeGraphRunner(GraphRunner):
+    """Runs an engine's decode-only steps through captured graphs, one per bucket pair."""
+
+    # triton: its decode-only steps replay the fused graphs
+    BACKENDS = ("fused", "triton")
+
+    def __init__(self, engine, capture: str = "cuda"):
+        super().__init__(engine, capture)
+        self.batch_sizes = batch_buckets(engine.config.max_num_seqs)
+        self.widths = width_buckets(min(math.ceil(engine.max_model_len / self.block_size), engine.num_blocks))
+        self._static: torch.Tensor | None = None  # allocated on first use: most engines never decode on CUDA
 
     def fits(self, decodes) -> bool:
         """Whether a decode-only batch fits the largest buckets (else the eager path runs it)."""
@@ -148,11 +184,8 @@ class DecodeGraphRunner:
         host = torch.tensor(self._host_inputs(decodes, nb, nw), dtype=torch.long,
                             pin_memory=self.device.type == "cuda")
         self._static[: host.numel()].copy_(host, non_blocking=True)  # the only host-to-device copy
-        if (nb, nw) not in self.graphs:
-            self.graphs[nb, nw] = self.capture(self._step_fn(nb, nw))
-            self.captures += 1
-        self.replays += 1
-        return self.graphs[nb, nw]()[:b].clone()  # a copy: the next replay overwrites the static logits
+        # a copy: the next replay overwrites the static logits
+        return self._replay((nb, nw), lambda: self._step_fn(nb, nw))[:b].clone()
 
     def _host_inputs(self, decodes, nb: int, nw: int) -> list[int]:
         """The step's values in the static buffer's layout for bucket ``(nb, nw)``: tokens,

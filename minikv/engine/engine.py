@@ -26,6 +26,7 @@ from .attention_backends import FUSED, resolve_backend
 from .block_manager import ALL_TENANTS, BlockManager
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphRunner
+from .prefill_graphs import PrefillGraphRunner
 from .detokenizer import detokenize, flush
 from .device import resolve_device
 from .host_memory import keep_freed_memory
@@ -82,6 +83,7 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
         if self.attention_backend in FUSED:  # oneDNN-packed weights on the CPU: packed now, not mid-request
             prepare_matmuls(self.model, kernels=self.attention_backend == "paged")
         self.graphs = DecodeGraphRunner.for_engine(self)  # None off CUDA, or with enforce_eager
+        self.prefill_graphs = PrefillGraphRunner.for_engine(self)  # likewise (fused only)
         self._secret = c.engine_secret or new_engine_secret()  # never logged or returned
         hasher = c.block_hasher if c.block_hasher is not None else make_hasher(c.hash_algo, self._secret)
         self.block_manager = BlockManager(

@@ -218,8 +218,11 @@ def format_engine(report: dict) -> list[str]:
                          f"{t['weight_pass_ms'] / t['miss_ms']:.3f} of the miss (a hit reads every weight once)")
         if "hit_ops" in t:  # what each request dispatches: on a GPU, launches are most of its time
             kernels = t["hit_ops"]["cuda_kernels"]
+            replayed = t["hit_ops"].get("replayed")  # graph replays count as one op (count_ops)
             lines.append(f"  ttft ops (ATen + oneDNN + minikv) per request: hit {t['hit_ops']['ops']}, miss {t['miss_ops']['ops']}"
-                         + (f"   CUDA kernels: hit {kernels}, miss {t['miss_ops']['cuda_kernels']}" if kernels else ""))
+                         + (f"   CUDA kernels: hit {kernels}, miss {t['miss_ops']['cuda_kernels']}" if kernels else "")
+                         + (f"   (a graph replay counted as one; ops inside: hit {replayed}, miss {t['miss_ops']['replayed']})"
+                            if replayed else ""))
     lines += format_prefill(report.get("prefill_by_dtype", {}), target)
     if "ops" in report:
         o = report["ops"]

@@ -134,7 +134,10 @@ def run_scan(path: str, device: str, dtypes=("bfloat16", "float32"), lengths=LEN
         if miss is not None:
             f = flop_floor_ms(llm.engine.model, floor_length + TAIL)
             floor = {"length": floor_length, "miss_ms": miss["miss_ms"], "floor_ms": f, "ratio": miss["miss_ms"] / f}
-        out[dtype] = {"rows": rows, "floor": floor}
+        g = llm.engine.prefill_graphs  # on CUDA's fused backend every request above was a replay
+        graphs = None if g is None else {"captures": g.captures, "replays": g.replays,
+                                         "requests": len(lengths) * (2 * pairs + 3)}
+        out[dtype] = {"rows": rows, "floor": floor, "prefill_graphs": graphs}
         del llm
     return out
 
@@ -160,6 +163,10 @@ def format_scan(scan: dict) -> list[str]:
             ok = f["ratio"] <= FLOOR_TARGET
             lines.append(f"{_short(d)} {f['length']:,}-token miss {f['miss_ms']:.2f} ms vs FLOP floor {f['floor_ms']:.3f} ms: "
                          f"{f['ratio']:.1f}x ({'PASS' if ok else 'FAIL'}: target <= {FLOOR_TARGET:g}x)")
+    for d in dtypes:
+        g = scan[d].get("prefill_graphs")
+        lines.append(f"{_short(d)} prefill steps: " + ("eager (no prefill graph runner: not CUDA's fused backend)" if g is None
+                     else f"{g['replays']} CUDA graph replays of {g['requests']} requests, {g['captures']} captures"))
     return lines
 
 
@@ -175,6 +182,10 @@ def verdicts(scan: dict) -> list[tuple[str, bool, str]]:
             f = s["floor"]
             out.append((f"ttft scan {_short(d)} {f['length']}-token miss vs FLOP floor", bool(f["ratio"] <= FLOOR_TARGET),
                         f"{f['ratio']:.1f}x (target <= {FLOOR_TARGET:g}x)"))
+        if s.get("prefill_graphs") is not None:  # every hit and miss of the scan was one replay
+            g = s["prefill_graphs"]
+            out.append((f"ttft scan {_short(d)}: prefill steps replayed CUDA graphs", g["replays"] == g["requests"],
+                        f"{g['replays']} replays of {g['requests']} requests, {g['captures']} captures"))
     return out
 
 

@@ -18,8 +18,9 @@ and the byte-level test tokenizer, saves it to a temporary directory and checks 
 4. issue 38's TTFT scan (``minikv.bench_ttft_scan``): prefix hit against miss at 256, 1,024, 4,096
    and 7,000 tokens, bf16 and fp32, 12 alternating pairs each, medians of the engine's TTFT, the
    one-sided Mann-Whitney p and a 1,024-token miss against its FLOP floor, printed as issue 38's
-   table with PASS/FAIL per row against its targets (each a check of the summary), then again in
-   bf16 on the ``triton`` backend (its rows named ``[triton] ...``);
+   table with PASS/FAIL per row against its targets (each a check of the summary), and that every
+   request of it replayed a prefill CUDA graph (``prefill_graphs.py``), then again in bf16 on the
+   ``triton`` backend (its rows named ``[triton] ...``; its prefills run eagerly);
 5. the ``triton`` backend (Triton paged attention, hits read in place from the pool): its kernel
    against the reference attention on prefill, hit, decode and mixed calls in fp32, fp16 and
    bf16, and a tiny-random engine on it against the reference backend (run after step 1; in a
@@ -288,7 +289,8 @@ def main(argv=None) -> int:
         collect = ["--collect-only"] if args.cuda_tests == "collect" else []
         rc, out, secs = run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *collect, "-k", "cuda",
                              "tests/test_attention_fused.py", "tests/test_attention_pad_block.py",
-                             "tests/test_sampling_batched.py", "tests/test_cuda_graphs.py"], timeout=150)
+                             "tests/test_sampling_batched.py", "tests/test_cuda_graphs.py",
+                             "tests/test_prefill_graphs.py"], timeout=150)
         tail = out.strip().splitlines()[-1] if out.strip() else ""
         if rc != 0:  # the failures themselves, not just the count: the session may not get a second run
             print("\n".join(out.strip().splitlines()[-120:]), flush=True)

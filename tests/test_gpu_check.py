@@ -79,6 +79,24 @@ def test_dry_run_on_the_cpu_runs_every_step_and_summarizes_the_bench(tmp_path):
         assert re.search(rf"^\| {length} \| {cell} \| {cell} \|$", table, flags=re.M), table
     for dtype in ("bf16", "fp32"):
         assert re.search(rf"^{dtype} 64-token miss .* ms vs FLOP floor .* ms: \d+\.\dx \((PASS|FAIL)", table, flags=re.M), table
+        assert f"{dtype} prefill steps: eager (no prefill graph runner: not CUDA's fused backend)" in table, table
+
+
+def test_the_scan_checks_that_every_request_replayed_a_prefill_graph():
+    """On CUDA's fused backend every hit and miss of the scan is a prefill graph replay; one that ran
+    eagerly (a bucket that did not fit, a runner that was not there) fails the check, by count."""
+    from minikv.bench_ttft_scan import format_scan, verdicts
+
+    row = {"length": 256, "hit_ms": 1.0, "miss_ms": 2.0, "ratio": 0.5, "p": 1e-5, "auc": 1.0, "n": (12, 12)}
+    for replays, ok in ((27, True), (26, False)):
+        scan = {"bfloat16": {"rows": [row], "floor": None,
+                             "prefill_graphs": {"captures": 2, "replays": replays, "requests": 27}}}
+        check = [v for v in verdicts(scan) if "prefill steps replayed" in v[0]]
+        assert check == [("ttft scan bf16: prefill steps replayed CUDA graphs", ok,
+                          f"{replays} replays of 27 requests, 2 captures")]
+        assert f"bf16 prefill steps: {replays} CUDA graph replays of 27 requests, 2 captures" in format_scan(scan)
+    scan["bfloat16"]["prefill_graphs"] = None  # the triton backend's scan, or a CPU: no such check
+    assert not [v for v in verdicts(scan) if "prefill" in v[0]]
 
 
 def test_scan_statistics_come_from_the_samples():

@@ -62,7 +62,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = True
                         "kernels, CPU) or auto (default: paged on a CPU where the kernels are built and fit the model, "
                         "else fused)")
     g.add_argument("--enforce-eager", action="store_true", default=None,
-                   help="never capture CUDA graphs for decode steps (default: captured on CUDA)")
+                   help="never capture CUDA graphs for decode or one-prefill steps (default: captured on CUDA)")
     s = p.add_argument_group("cache policy")
     s.add_argument("--enable-prefix-caching", action="store_true", default=None,
                    help="reuse the KV of identical prefix blocks (within the isolation domain)")

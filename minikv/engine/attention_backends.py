@@ -72,8 +72,8 @@ def resolve_backend(name: str, device_type: str, head_dim: int | None = None, dt
         return name
     if name != "auto":
         return name
-    # On CUDA, the fused backend's decode-only steps replay CUDA graphs (cuda_graphs.py) unless
-    # enforce_eager; steps with a prefill run eagerly everywhere.
+    # On CUDA, the fused backend's decode-only steps and steps prefilling one sequence alone replay
+    # CUDA graphs (cuda_graphs.py, prefill_graphs.py) unless enforce_eager; other steps run eagerly.
     if device_type == "cpu" and not _kernel_unsupported(head_dim, dtype) and _kernel_built():
         return "paged"
     return "fused"

@@ -65,7 +65,8 @@ class EngineConfig:
             steps' decodes read in place by a Triton kernel) or ``"auto"`` (paged where built, else fused; never
             compiles); see ``attention_backends.py``.  All compute the same logits.
         enforce_eager: never run CUDA graphs (vLLM's name and meaning); by default a decode-only
-            step of the fused backend on CUDA replays one (``cuda_graphs.py``).
+            step of the fused backend on CUDA replays one (``cuda_graphs.py``), and so does a step
+            that prefills one sequence alone, hit or miss (``prefill_graphs.py``).
 
     Isolation (see ``minikv.security``)
         cache_isolation: ``"tenant"`` (hits only within a tenant), ``"request"`` (no reuse

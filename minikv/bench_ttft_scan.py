@@ -134,7 +134,7 @@ def run_scan(path: str, device: str, dtypes=("bfloat16", "float32"), lengths=LEN
         if miss is not None:
             f = flop_floor_ms(llm.engine.model, floor_length + TAIL)
             floor = {"length": floor_length, "miss_ms": miss["miss_ms"], "floor_ms": f, "ratio": miss["miss_ms"] / f}
-        g = llm.engine.prefill_graphs  # on CUDA's fused backend every request above was a replay
+        g = llm.engine.prefill_graphs  # on CUDA (fused, triton) every request above was a replay
         graphs = None if g is None else {"captures": g.captures, "replays": g.replays,
                                          "requests": len(lengths) * (2 * pairs + 3)}
         out[dtype] = {"rows": rows, "floor": floor, "prefill_graphs": graphs}
@@ -165,7 +165,7 @@ def format_scan(scan: dict) -> list[str]:
                          f"{f['ratio']:.1f}x ({'PASS' if ok else 'FAIL'}: target <= {FLOOR_TARGET:g}x)")
     for d in dtypes:
         g = scan[d].get("prefill_graphs")
-        lines.append(f"{_short(d)} prefill steps: " + ("eager (no prefill graph runner: not CUDA's fused backend)" if g is None
+        lines.append(f"{_short(d)} prefill steps: " + ("eager (no prefill graph runner: not CUDA's fused or triton backend)" if g is None
                      else f"{g['replays']} CUDA graph replays of {g['requests']} requests, {g['captures']} captures"))
     return lines
 

@@ -20,7 +20,7 @@ and the byte-level test tokenizer, saves it to a temporary directory and checks 
    one-sided Mann-Whitney p and a 1,024-token miss against its FLOP floor, printed as issue 38's
    table with PASS/FAIL per row against its targets (each a check of the summary), and that every
    request of it replayed a prefill CUDA graph (``prefill_graphs.py``), then again in bf16 on the
-   ``triton`` backend (its rows named ``[triton] ...``; its prefills run eagerly);
+   ``triton`` backend (its rows named ``[triton] ...``; its hits replay graphs that call its kernel);
 5. the ``triton`` backend (Triton paged attention, hits read in place from the pool): its kernel
    against the reference attention on prefill, hit, decode and mixed calls in fp32, fp16 and
    bf16, and a tiny-random engine on it against the reference backend (run after step 1; in a
@@ -201,7 +201,8 @@ def triton_scan(results: list, path: str) -> None:
 def triton_step(results: list, device: str) -> None:
     """The ``triton`` backend: its kernel against the reference attention on prefill, hit, decode
     and mixed calls (``scripts/triton_check.py``), and a tiny-random engine on it against the
-    reference backend step by step (``tests/triton_engine_check.py``).  On CUDA with torch's own
+    reference backend step by step (``tests/triton_engine_check.py``), and again with its hits
+    replayed from prefill graphs (``prefill-graphs``).  On CUDA with torch's own
     Triton, bf16 included; in a dry run in Triton's interpreter, from ``.triton-site`` (``make
     triton``; without it the dry run says so and checks nothing of Triton)."""
     extra = {}
@@ -214,7 +215,9 @@ def triton_step(results: list, device: str) -> None:
     for name, cmd in ((f"triton kernel == reference attention (prefill, hit, decode, mixed; {dtypes})",
                        ["scripts/triton_check.py", "--device", device, "--dtypes", dtypes]),
                       ("triton backend == reference backend (tiny-random engine, step by step)",
-                       ["tests/triton_engine_check.py", device])):
+                       ["tests/triton_engine_check.py", device]),
+                      ("triton hits from prefill graphs == reference backend (tiny-random, one request at a time)",
+                       ["tests/triton_engine_check.py", device, "prefill-graphs"])):
         rc, out, secs = run([sys.executable, *cmd], timeout=300, extra=extra)
         if rc != 0:
             print("\n".join(out.strip().splitlines()[-60:]), flush=True)

@@ -79,11 +79,11 @@ def test_dry_run_on_the_cpu_runs_every_step_and_summarizes_the_bench(tmp_path):
         assert re.search(rf"^\| {length} \| {cell} \| {cell} \|$", table, flags=re.M), table
     for dtype in ("bf16", "fp32"):
         assert re.search(rf"^{dtype} 64-token miss .* ms vs FLOP floor .* ms: \d+\.\dx \((PASS|FAIL)", table, flags=re.M), table
-        assert f"{dtype} prefill steps: eager (no prefill graph runner: not CUDA's fused backend)" in table, table
+        assert f"{dtype} prefill steps: eager (no prefill graph runner: not CUDA's fused or triton backend)" in table, table
 
 
 def test_the_scan_checks_that_every_request_replayed_a_prefill_graph():
-    """On CUDA's fused backend every hit and miss of the scan is a prefill graph replay; one that ran
+    """On CUDA (fused, triton) every hit and miss of the scan is a prefill graph replay; one that ran
     eagerly (a bucket that did not fit, a runner that was not there) fails the check, by count."""
     from minikv.bench_ttft_scan import format_scan, verdicts
 
@@ -95,7 +95,7 @@ def test_the_scan_checks_that_every_request_replayed_a_prefill_graph():
         assert check == [("ttft scan bf16: prefill steps replayed CUDA graphs", ok,
                           f"{replays} replays of 27 requests, 2 captures")]
         assert f"bf16 prefill steps: {replays} CUDA graph replays of 27 requests, 2 captures" in format_scan(scan)
-    scan["bfloat16"]["prefill_graphs"] = None  # the triton backend's scan, or a CPU: no such check
+    scan["bfloat16"]["prefill_graphs"] = None  # a CPU, or enforce_eager: no such check
     assert not [v for v in verdicts(scan) if "prefill" in v[0]]
 
 

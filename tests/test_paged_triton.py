@@ -12,6 +12,8 @@ except in CI (``$MINIKV_REQUIRE_TRITON``, set by ``.ci/run``), where that is a f
   (``attention.paged_attention``), pools full of stale K/V and shuffled block tables;
 * engine level (``tests/triton_engine_check.py``): a tiny-random engine on the backend, step
   by step against the reference backend, logits within 1e-4 of the largest, tokens identical.
+  Again with the prefill graph runner (``prefill-graphs``): requests one at a time, every hit's
+  kernel call made from inside a (stand-in) replay.
 
 bf16 is not checked here: the interpreter's bf16 matrix multiply is wrong (NumPy has no bf16).
 ``make gpu-check`` runs the kernel check on CUDA, bf16 included.  No GPU timing is measured here.
@@ -55,6 +57,14 @@ def test_engine_on_triton_backend_matches_reference_step_by_step():
     p = _interpret("tests/triton_engine_check.py")
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
     assert "tokens identical" in p.stdout
+
+
+def test_triton_hits_replayed_from_prefill_graphs_match_reference():
+    """The Triton kernel called from inside prefill graphs (``prefill_graphs.py``; the eager stand-in
+    here), reading the real row count and context length from the static buffer."""
+    p = _interpret("tests/triton_engine_check.py", "cpu", "prefill-graphs")
+    assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
+    assert "all from prefill graphs, tokens identical" in p.stdout, p.stdout
 
 
 def test_triton_is_a_registry_entry_for_cuda_only():

@@ -94,14 +94,15 @@ def _spy(runner):
         out = run(seq, key)
         n, tokens = seq.num_tokens - seq.num_computed_tokens, key[1]
         width = key[2] if key[0] == "hit" else 0
-        buf = runner._static[: 3 * tokens + 1 + width].tolist()
+        buf = runner._static[: 3 * tokens + 4 + width].tolist()
         ids, pos, slots = buf[:tokens], buf[tokens: 2 * tokens], buf[2 * tokens: 3 * tokens]
         start, bs, pool = seq.num_computed_tokens, runner.block_size, runner.pool
         good = (ids[:n] == seq.token_ids[start:seq.num_tokens] and ids[n:] == [0] * (tokens - n)
                 and pos == list(range(start, seq.num_tokens)) + [seq.num_tokens - 1] * (tokens - n)
                 and all(s // bs == seq.block_table[p // bs] for s, p in zip(slots[:n], pos[:n]))
-                and all(s // bs == pool.scratch_block for s in slots[n:]) and buf[3 * tokens] == n - 1
-                and buf[3 * tokens + 1:] == (seq.block_table + [pool.pad_block] * (width - len(seq.block_table))
+                and all(s // bs == pool.scratch_block for s in slots[n:])
+                and buf[3 * tokens: 3 * tokens + 4] == [n - 1, 0, n, seq.num_tokens]
+                and buf[3 * tokens + 4:] == (seq.block_table + [pool.pad_block] * (width - len(seq.block_table))
                                              if width else []))
         seen.append((n, key if good else "bad buffer"))
         return out
@@ -155,7 +156,7 @@ def test_a_step_no_bucket_holds_runs_eagerly(monkeypatch):
     assert r.key(SimpleNamespace(num_tokens=10, num_computed_tokens=0, block_table=[0] * 3)) is None
 
 
-def test_only_cuda_engines_of_the_fused_backend_get_a_prefill_runner():
+def test_only_cuda_engines_of_the_fused_and_triton_backends_get_a_prefill_runner():
     cpu = LLM("tiny-random", device="cpu", attention_backend="fused").engine
     assert cpu.prefill_graphs is None
 
@@ -168,10 +169,10 @@ def test_only_cuda_engines_of_the_fused_backend_get_a_prefill_runner():
                                                       max_num_batched_tokens=4096))
     r = PrefillGraphRunner.for_engine(fake())
     assert isinstance(r, PrefillGraphRunner) and r.widths[-1] == 128 and r.max_tokens == 2048
-    for kw in (dict(enforce_eager=True), dict(attention_backend="reference"), dict(attention_backend="triton"),
-               dict(attention_backend="paged"), dict(device=torch.device("cpu"))):
+    assert not r.triton and PrefillGraphRunner.for_engine(fake(attention_backend="triton")).triton
+    for kw in (dict(enforce_eager=True), dict(attention_backend="reference"), dict(attention_backend="paged"),
+               dict(device=torch.device("cpu"))):
         assert PrefillGraphRunner.for_engine(fake(**kw)) is None, kw
-    assert DecodeGraphRunner.for_engine(fake(attention_backend="triton")) is not None  # decodes: fused graphs
     with pytest.raises(ValueError, match="capture='graph'"):
         PrefillGraphRunner(cpu, capture="graph")
 

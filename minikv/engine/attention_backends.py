@@ -21,7 +21,9 @@ minikv has two implementations of the same forward pass, chosen by
   reads K and V where they lie in the pool through each block table, as ``"paged"`` does on
   the CPU: no per-layer gather of whole blocks into a contiguous copy.  CUDA only, where torch's
   build ships Triton; decode-only steps replay the fused backend's CUDA graphs (unless
-  ``enforce_eager``: then they too go to the kernel).  Fresh prefills keep SDPA.  Never picked by
+  ``enforce_eager``: then they too go to the kernel), and a step prefilling one sequence alone
+  replays a prefill graph whose hits call the kernel (``prefill_graphs.py``).  Fresh prefills
+  keep SDPA.  Never picked by
   ``"auto"``: no GPU has measured it yet.
 * ``"auto"`` -- ``"paged"`` on a CPU where set-up built the kernel, ``"fused"`` everywhere else
   (measured on the 2-core CPU, see docs/BENCHMARKS.md).  It never compiles anything: on the

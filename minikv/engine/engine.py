@@ -83,7 +83,7 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
         if self.attention_backend in FUSED:  # oneDNN-packed weights on the CPU: packed now, not mid-request
             prepare_matmuls(self.model, kernels=self.attention_backend == "paged")
         self.graphs = DecodeGraphRunner.for_engine(self)  # None off CUDA, or with enforce_eager
-        self.prefill_graphs = PrefillGraphRunner.for_engine(self)  # likewise (fused only)
+        self.prefill_graphs = PrefillGraphRunner.for_engine(self)  # likewise (fused and triton)
         self._secret = c.engine_secret or new_engine_secret()  # never logged or returned
         hasher = c.block_hasher if c.block_hasher is not None else make_hasher(c.hash_algo, self._secret)
         self.block_manager = BlockManager(

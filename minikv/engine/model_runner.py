@@ -101,7 +101,7 @@ def run_model(engine, prefills: list[Sequence], decodes: list[Sequence], all_row
     if backend in ("fused", "triton") and engine.graphs is not None and decodes and not prefills and engine.graphs.fits(decodes):
         return engine.graphs.run(decodes)  # decode-only on CUDA: one graph replay (cuda_graphs.py)
     graphs = engine.prefill_graphs  # one prefill alone on CUDA, hit or miss: one replay (prefill_graphs.py)
-    if backend == "fused" and graphs is not None and len(prefills) == 1 and not decodes and not all_rows \
+    if backend in ("fused", "triton") and graphs is not None and len(prefills) == 1 and not decodes and not all_rows \
             and (key := graphs.key(prefills[0])) is not None:
         return graphs.run(prefills[0], key)
     input_ids, positions, meta, last_rows = prepare_inputs(

@@ -18,8 +18,12 @@ out of the graph; minikv keeps whole-step graphs, which need one shape per graph
 * ``"miss"``: nothing of the sequence is cached (its context is its new tokens).  The graph
   runs ``build_plan``'s ``"fresh"`` group: causal attention over the step's own new K/V, the
   kernel the eager miss calls.
-* ``"hit"``: some of the context is in the pool (a prefix hit).  The graph runs ``fused_hit.hit_plan``: the new tokens' K/V written to the pool,
-  the context's blocks read back through the block table, one masked attention.
+* ``"hit"``: some of the context is in the pool (a prefix hit).  The graph runs
+  ``fused_hit.hit_plan``: the new tokens' K/V written to the pool, the context's blocks read
+  back through the block table, one masked attention.  On the ``triton`` backend it runs that
+  backend's ``"triton"`` group instead: the kernel reads K/V where they lie in the pool, told
+  the real new-token count and context length by the static buffer, so it leaves the padded
+  rows' outputs alone (nobody reads them).
 
 **Buckets.**  A graph has one shape, so steps are padded up to a bucket: new tokens to a
 multiple of 8 up to 256, beyond that to 1/16 of their power-of-two octave (272, 288, ... 512,
@@ -44,7 +48,7 @@ import torch
 from .attention_fused import fused_forward
 from .cuda_graphs import GraphRunner, bucket, width_buckets
 from .fused_hit import hit_plan
-from .fused_plan import build_plan
+from .fused_plan import Group, build_plan
 from .kv_pool import slot_of
 from .matmuls import logits as fused_logits
 
@@ -60,13 +64,13 @@ def token_bucket(n: int) -> int:
 
 class PrefillGraphRunner(GraphRunner):
     """Runs an engine's one-sequence prefill steps through captured graphs, one per bucket:
-    ``("miss", tokens)`` or ``("hit", tokens, width)``.  Only the fused backend's steps (the
-    ``triton`` backend's hits keep its kernel, eagerly)."""
+    ``("miss", tokens)`` or ``("hit", tokens, width)``, on the fused and triton backends."""
 
-    BACKENDS = ("fused",)
+    BACKENDS = ("fused", "triton")
 
     def __init__(self, engine, capture: str = "cuda"):
         super().__init__(engine, capture)
+        self.triton = engine.attention_backend == "triton"  # hits through the Triton kernel
         # A prefill alone in its step is any prompt length (the scheduler admits the first prefill
         # of a step whatever its size), so buckets go up to the longest prompt there can be.
         self.max_tokens = engine.max_model_len
@@ -92,14 +96,15 @@ class PrefillGraphRunner(GraphRunner):
     def run(self, seq, key: tuple) -> torch.Tensor:
         """Logits ([1, vocab], fp32) of ``seq``'s last new token, through the graph of ``key``."""
         if self._static is None:
-            self._static = torch.zeros(3 * self.max_tokens + 1 + self.widths[-1], dtype=torch.long, device=self.device)
+            self._static = torch.zeros(3 * self.max_tokens + 4 + self.widths[-1], dtype=torch.long, device=self.device)
         host = torch.tensor(self._host_inputs(seq, key), dtype=torch.long, pin_memory=self.device.type == "cuda")
         self._static[: host.numel()].copy_(host, non_blocking=True)  # the only host-to-device copy
         return self._replay(key, lambda: self._step_fn(key)).clone()  # the next replay overwrites it
 
     def _host_inputs(self, seq, key: tuple) -> list[int]:
         """The step's values in the static buffer's layout: token ids, positions and slots ([N]
-        each, real rows first), the last real row, then (a hit) the block table ([W])."""
+        each, real rows first), the last real row, (first row, new tokens, context length) as
+        the Triton kernel reads them, then (a hit) the block table ([W])."""
         tokens, width = key[1], key[2] if key[0] == "hit" else 0
         start, end, bs = seq.num_computed_tokens, seq.num_tokens, self.block_size
         pad = tokens - (end - start)
@@ -108,7 +113,7 @@ class PrefillGraphRunner(GraphRunner):
         pos = list(range(start, end)) + [end - 1] * pad
         slots = [slot_of(seq.block_table, p, bs) for p in range(start, end)] + [scratch * bs + j % bs for j in range(pad)]
         table = seq.block_table + [self.pool.pad_block] * (width - len(seq.block_table)) if width else []
-        return ids + pos + slots + [end - start - 1] + table
+        return ids + pos + slots + [end - start - 1, 0, end - start, end] + table
 
     def _step_fn(self, key: tuple):
         """The function a graph captures for ``key``: it reads only the static buffer (views fixed
@@ -117,13 +122,17 @@ class PrefillGraphRunner(GraphRunner):
         width = key[2] if kind == "hit" else 0
         buf = self._static
         ids, pos, slots = buf[: 3 * tokens].view(3, tokens)
-        last, table = buf[3 * tokens: 3 * tokens + 1], buf[3 * tokens + 1: 3 * tokens + 1 + width]
+        last, meta = buf[3 * tokens: 3 * tokens + 1], buf[3 * tokens + 1: 3 * tokens + 4]
+        table = buf[3 * tokens + 4: 3 * tokens + 4 + width]
         model, pool, bs = self.model, self.pool, self.block_size
         rep = model.shape.num_heads // model.shape.num_kv_heads
 
         def step() -> torch.Tensor:
             if kind == "miss":  # one fresh prefill of ``tokens`` rows: the eager miss's plan
                 plan = build_plan(model, pos, slots, [(0, tokens, tokens, [])], [], bs, pool.pad_block)
+            elif self.triton:  # the Triton kernel over the pool, as the eager triton step's group
+                group = Group("triton", slice(0, 0), slice(0, 0), None, tokens, table.view(1, width), ctx=meta.view(1, 3))
+                plan = build_plan(model, pos, slots, [], [], bs, pool.pad_block, extra_groups=(group,))
             else:  # one hit of ``tokens`` rows over ``width`` blocks; folded rows r * tokens + i sit at pos[i]
                 plan = hit_plan(model, pos, slots, [(0, tokens, width * bs, None)], [table, pos.repeat(rep)], bs)
             hidden = fused_forward(model, ids, pool, plan).index_select(0, last)

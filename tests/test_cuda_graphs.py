@@ -46,7 +46,6 @@ def _drive(engine, seed=0):
     rng = random.Random(seed)
     vocab = engine.model.shape.vocab_size
     engine.logit_trace = []
-    pad, scratch = engine.pool.pad_block, engine.pool.scratch_block
     checks = {"pad_zero": True, "scratch_in_table": False}
 
     def add(name, n, max_tokens):
@@ -55,9 +54,7 @@ def _drive(engine, seed=0):
 
     def step():
         out = engine.step()
-        checks["pad_zero"] &= bool(engine.pool._k[:, pad].eq(0).all() and engine.pool._v[:, pad].eq(0).all())
-        tables = [b for s in engine.scheduler.running for b in s.block_table]
-        checks["scratch_in_table"] |= scratch in tables or pad in tables
+        check_reserved_blocks(engine, checks)
         return out
 
     for i, (n, m) in enumerate([(7, 30), (3, 14), (12, 22)]):
@@ -72,6 +69,16 @@ def _drive(engine, seed=0):
             if out.finished:
                 tokens[out.request_id] = out.outputs[0].token_ids
     return engine.logit_trace, tokens, checks
+
+
+def check_reserved_blocks(engine, checks: dict) -> None:
+    """After a step: the pad block is still all zero, and no running table names the pad or the
+    scratch block (padded graph rows write the scratch block; nobody may own either)."""
+    pool = engine.pool
+    pad, scratch = pool.pad_block, pool.scratch_block
+    checks["pad_zero"] &= bool(pool._k[:, pad].eq(0).all() and pool._v[:, pad].eq(0).all())
+    tables = [b for s in engine.scheduler.running for b in s.block_table]
+    checks["scratch_in_table"] |= scratch in tables or pad in tables
 
 
 def _compare(trace_g, tokens_g, trace_e, tokens_e, tol=TOL):

@@ -23,7 +23,7 @@ from minikv.engine import SamplingParams, prefill_graphs
 from minikv.engine.cuda_graphs import DecodeGraphRunner
 from minikv.engine.prefill_graphs import PrefillGraphRunner, token_bucket
 from tests.engine_helpers import assert_traces_close
-from tests.test_cuda_graphs import TOL, _same_kv
+from tests.test_cuda_graphs import TOL, _same_kv, check_reserved_blocks
 
 
 def _pair(device, dtype="float32", capture=None):
@@ -58,7 +58,6 @@ def _drive(engine, seed=0):
     vocab = engine.model.shape.vocab_size
     system = [rng.randrange(3, vocab) for _ in range(23)]
     engine.logit_trace = []
-    pad, scratch = engine.pool.pad_block, engine.pool.scratch_block
     checks = {"pad_zero": True, "scratch_in_table": False}
     p = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     tokens = {}
@@ -68,9 +67,7 @@ def _drive(engine, seed=0):
             for out in engine.step():
                 if out.finished:
                     tokens[out.request_id] = (out.outputs[0].token_ids, out.num_cached_tokens)
-            checks["pad_zero"] &= bool(engine.pool._k[:, pad].eq(0).all() and engine.pool._v[:, pad].eq(0).all())
-            tables = [b for s in engine.scheduler.running for b in s.block_table]
-            checks["scratch_in_table"] |= scratch in tables or pad in tables
+            check_reserved_blocks(engine, checks)
 
     for name, parts in SCHEDULE:
         prompt = [t for part in parts for t in (system if part == "sys" else

@@ -235,16 +235,33 @@ def _timing_audit(url_b, url_a, key, victim, out, capsys):
     return rc, report
 
 
+def _timing_audit_detects(url_b, url_a, key, victim, out, capsys, tries=3):
+    """Run the audit until it detects, at most ``tries`` times; each run draws fresh salted prompts
+    (timing.py), so the runs are independent.  Only for the arms that MUST detect: a run under load
+    can miss a real hit (CI once measured p=6.4e-4, AUC 0.78 with the test suite beside it, against
+    p ~ 1e-9 quiet), but no number of runs makes a fleet without sharing reject at 1e-4 (p ~ 0.8
+    there).  The arm that must NOT detect gets one run, so retries can only cost this test a pass,
+    never buy one.  Returns the last (rc, report)."""
+    for i in range(tries):
+        rc, report = _timing_audit(url_b, url_a, key, victim, out / f"run{i}", capsys)
+        assert report["failures"] == 0, report["verdict"]
+        if rc == 2 and report["detected"]:
+            break
+    return rc, report
+
+
 def test_audit_timing_on_B_primed_through_A(fleet, capsys):
     """Bob primes through A, mallory is timed on B: detected (exit 2) only under UNSAFE content
     keys.  Under tenant keys the audit passes, and its same-tenant control -- alice primes through
     A and is timed on B -- detects the cross-instance tier hit, so the pass is not for lack of one."""
     mode, url_a, url_b, tmp = fleet
-    rc, cross = _timing_audit(url_b, url_a, "sk-mallory", "sk-bob", tmp / "timing-cross", capsys)
-    assert cross["prime_url"] == url_a and cross["separate_victim"] and cross["failures"] == 0
     if mode == "content":  # UNSAFE: mallory on B is served from bob's blocks, cached through A
+        rc, cross = _timing_audit_detects(url_b, url_a, "sk-mallory", "sk-bob", tmp / "timing-cross", capsys)
+        assert cross["prime_url"] == url_a and cross["separate_victim"]
         assert rc == 2 and cross["detected"], cross["verdict"]
         return
+    rc, cross = _timing_audit(url_b, url_a, "sk-mallory", "sk-bob", tmp / "timing-cross", capsys)
+    assert cross["prime_url"] == url_a and cross["separate_victim"] and cross["failures"] == 0
     assert rc == 0 and not cross["detected"], cross["verdict"]
-    rc, same = _timing_audit(url_b, url_a, "sk-alice", None, tmp / "timing-same", capsys)
+    rc, same = _timing_audit_detects(url_b, url_a, "sk-alice", None, tmp / "timing-same", capsys)
     assert rc == 2 and same["detected"] and not same["separate_victim"], same["verdict"]

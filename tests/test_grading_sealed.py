@@ -12,6 +12,12 @@ cannot see, so only the sealing stops it:
 
 Each must score 0 on what it touched, with status ``tampering`` and a message that says so, while
 the reference solutions score full marks on the same checks in the same gradebook run.
+
+A fifth, ``cmdline``, goes round the child's tampering detector (``cat`` reads the lab server's
+``/proc/<pid>/cmdline`` for it, so no ``open`` of ``/proc`` is seen) and derives L1's secret from a
+``--seed`` there, padding its probes past the side-door checks.  Graded runs pass no seed (the lab
+server draws every secret itself), so it finds none and fails like any wrong guess; against a server
+started with a seed, as the lessons start theirs, it recovers the secret, so the attack is real.
 """
 from __future__ import annotations
 
@@ -82,6 +88,33 @@ PROC_MEM = _hidden("""
         return card["alphabet"][0] * card["secret_len"]
 """) + "\nextract_secret = _ns['extract_secret']\n"
 
+CMDLINE = _hidden("""
+    import os, subprocess
+    import numpy as np
+    from minikv.audit.oracle_client import OracleClient
+    def extract_secret(card):
+        a, n, seen, candidates = card["alphabet"], card["secret_len"], False, []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            argv = subprocess.run(["cat", f"/proc/{pid}/cmdline"], capture_output=True).stdout.split(b"\\0")
+            if b"minikv.grading.lab_server" not in argv:
+                continue
+            seen = True
+            if b"--seed" in argv:  # lab_server.draw_secret, redone with numpy alone
+                rng = np.random.default_rng(int(argv[argv.index(b"--seed") + 1]))
+                candidates.append("".join(a[i] for i in rng.integers(0, len(a), n)))
+        with OracleClient(card) as oracle:
+            # several servers run at once in a parallel gradebook: the oracle says which is ours
+            for secret in candidates:
+                if oracle.cached_tokens(card["prefix"] + secret + "#") >= len(card["prefix"]) + n - 1:
+                    for i in range(16):  # enough probes to pass for a search
+                        oracle.cached_tokens(card["prefix"] + secret[: 1 + i % 4] + "#" * (i + 1))
+                    return secret
+            if seen:  # the server is there, but no seed: one probe, a guess
+                oracle.cached_tokens(card["prefix"] + "#")
+                return a[0] * n
+        return ""  # not even the servers' command lines were readable
+""") + "\nextract_secret = _ns['extract_secret']\n"
+
 MONKEYPATCH = _hidden("""
     import minikv.grading.stats as s
     s.check_ks_test = lambda *a, **k: True
@@ -96,7 +129,8 @@ def gradebook(tmp_path_factory):
                "tenants": ("ex2_tenant_keys.py", stubs["ex2_tenant_keys.py"].split("def derive_tenant_key")[0]
                            + TENANTS),
                "proc_mem": ("lab1_prefix_oracle.py", PROC_MEM),
-               "monkeypatch": ("ex5_timing_stats.py", stubs["ex5_timing_stats.py"] + MONKEYPATCH)}
+               "monkeypatch": ("ex5_timing_stats.py", stubs["ex5_timing_stats.py"] + MONKEYPATCH),
+               "cmdline": ("lab1_prefix_oracle.py", CMDLINE)}
     for student, (name, text) in attacks.items():
         (root / student).mkdir()
         (root / student / name).write_text(text, encoding="utf-8")
@@ -133,6 +167,23 @@ def test_the_secret_stayed_out_of_reach(gradebook):
     msg = rows["proc_mem"].messages["L1"]
     assert "/mem" in msg or "/maps" in msg or "/cmdline" in msg, msg
     assert "recovered" not in msg.split("tampering")[0]  # never graded as a recovered secret
+
+
+def test_a_seed_on_the_lab_servers_command_line_would_be_the_secret_and_graded_runs_pass_none(gradebook):
+    rows, table = gradebook
+    msg = rows["cmdline"].messages["L1"]
+    assert rows["cmdline"].results["L1"] is False and table["cmdline"]["L1"] == "0", msg
+    # it read the server's command line (cat ran in the sealed child), found no seed and guessed:
+    # graded as a wrong secret (or, on the 1-in-10**4 draw of 0000, as one probe for 3 blocks)
+    assert "recovered '0000', the secret was" in msg or "fewer than the 3 blocks" in msg, msg
+    # the same code against a server with a seed on its command line (how lessons start theirs)
+    from minikv.grading._lab import HiddenServer
+    ns = {}
+    exec(compile(CMDLINE, "<cmdline>", "exec"), ns)
+    with HiddenServer("minikv.grading.lab_server", "--mode", "count", "--seed", "5") as srv:
+        guess = ns["extract_secret"](srv.info)
+        key = srv.reveal()
+    assert guess == key["secret"] and key["requests"] >= 14, (guess, key)
 
 
 # -- the walls themselves, one submission at a time -------------------------------------------------

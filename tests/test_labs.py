@@ -150,7 +150,40 @@ def test_the_information_floor_and_the_mid_block_probe():
     assert lab_server._mid_block("Vault PIN: 4", victim, seen) is False  # ends on a boundary: counted apart
     assert lab_server._mid_block("Vault PIN: 48", victim, seen) is True  # stops inside block [12, 14)
     assert lab_server._mid_block("Vault PIN: 47", victim, seen) is True  # re-tests candidate '4' of [10, 12)
-    assert len(labs_oracle._seeds(None)) == labs_oracle.RUNS >= 5 and labs_oracle._seeds(7) == [7]
+    assert labs_oracle.RUNS >= 5
+
+
+def test_a_graded_lab_run_serves_fresh_secrets_from_one_server_with_no_seed_on_its_command_line():
+    """The rounds protocol (lab_server.main): one server, a fresh secret per round, drawn inside it.
+    Nothing about a secret may sit on the server's command line: /proc/<pid>/cmdline is readable by
+    every process, the learner's sealed child included, and a seed there would be the secret."""
+    from minikv.grading._lab import HiddenServer
+    from minikv.audit.oracle_client import OracleClient
+    with HiddenServer("minikv.grading.lab_server", "--mode", "count", "--rounds", "3") as srv:
+        cmdline = open(f"/proc/{srv.proc.pid}/cmdline", "rb").read().split(b"\0")
+        assert b"--seed" not in cmdline, cmdline
+        cards, keys = [], []
+        for i in range(3):
+            cards.append(srv.info)
+            with OracleClient(srv.info) as oracle:
+                oracle.cached_tokens(srv.info["prefix"] + "0#")
+            keys.append(srv.reveal() if i == 2 else srv.next_round())
+    assert [c["round"] for c in cards] == [1, 2, 3] and len({c["base_url"] for c in cards}) == 3
+    assert [k["requests"] for k in keys] == [1, 1, 1]  # each round counts its own attacker only
+    assert len({k["secret"] for k in keys}) >= 2  # 3 draws of 10**4 secrets: a repeat is a 3e-4 fluke
+    assert all(len(k["secret"]) == 4 and k["secret"].isdigit() for k in keys)
+
+
+def test_l1_score_is_against_an_exhaustive_search_on_the_same_secrets(capsys):
+    """A graded run (fresh secrets): the reference *is* the exhaustive search in the alphabet's order,
+    so it scores exactly 1.00x whatever the draw (SCORE_BANDS)."""
+    card = dict(block_size=2, secret_len=4, alphabet="0123456789", prefix="Vault PIN: ")
+    assert labs_oracle.exhaustive_cost(card, "0000") == 3 and labs_oracle.exhaustive_cost(card, "9999") == 120
+    assert labs_oracle.exhaustive_cost(card, "1230") == 2 + 24 + 1
+    ok, out = run(labs_oracle.check_oracle_attack, sol1.extract_secret, capsys)
+    assert ok, out
+    assert "median of 5 secrets" in out and "score 1.00x against an exhaustive search on the same secrets" in out
+    assert labs_oracle.SCORE_BANDS["L1"] == (1.0, 1.0)
 
 
 def test_every_lab_check_has_at_least_three_mutants():

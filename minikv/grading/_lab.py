@@ -105,6 +105,19 @@ class HiddenServer:
             raise RuntimeError(f"{module} did not start (exit {self.proc.returncode}): {err}")
         self.info = json.loads(line)
 
+    def next_round(self) -> dict:
+        """End this round of a ``--rounds`` server: return its answer key and load the next
+        round's card into ``info``."""
+        self.proc.stdin.write("next\n")
+        self.proc.stdin.flush()
+        answer, card = self.proc.stdout.readline(), self.proc.stdout.readline()
+        if not card:
+            self.close()
+            raise RuntimeError(f"the lab server stopped between rounds (exit {self.proc.returncode}): "
+                               f"{self.proc.stderr.read()[-2000:]}")
+        self.info = json.loads(card)
+        return json.loads(answer)
+
     def reveal(self, timeout: float = 60.0) -> dict:
         """Close the server's stdin: it stops serving and prints its answer key, which we return."""
         try:

@@ -1,6 +1,6 @@
 """The victim's server for the attack labs (lessons 04 and 09), run as a subprocess.
 
-    python -m minikv.grading.lab_server --mode count|ttft [--clock virtual|real] [--seed N]
+    python -m minikv.grading.lab_server --mode count|ttft [--clock virtual|real] [--seed N] [--rounds R]
 
 It builds a tiny-random engine with a **shared** prefix cache (the misconfiguration lesson 04
 attacks), lets a victim send ``prefix + secret + suffix`` once, and serves the real minikv
@@ -8,7 +8,8 @@ OpenAI-compatible app (:func:`minikv.serve.create_app`) on loopback to one attac
 start it prints one JSON line, the *lab card*: URL, key, the template around the secret, the
 secret's length and alphabet, the block size and the attacker's cache quota.  It prints the
 answer (the secret and how many requests the attacker sent) only when its stdin closes; from
-then on it serves nothing.  The secret comes from ``os.urandom`` unless ``--seed`` is given.
+then on it serves nothing.  The secret comes from ``os.urandom`` unless ``--seed`` is given.  A graded
+run serves several secrets in turn (``--rounds``, :func:`main`).
 
 Two observables, one per lab:
 
@@ -171,20 +172,35 @@ def build_app(mode: str, clock: str, seed: int):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Serve ``--rounds`` labs one after another, each a fresh engine, victim and secret.
+
+    The protocol on the pipes: a card (one JSON line) per round on stdout; the grader writes
+    ``next`` on stdin when the attack on it is over, and we print that round's answer key and the
+    next round's card; when stdin closes we print the current round's answer key and exit.  One
+    process for every round saves a graded run the ~5 s each fresh interpreter costs (torch, the
+    app), and keeps the secrets' only source inside it: a graded run passes no ``--seed``, because
+    a command line is readable by every process of the machine (``/proc/<pid>/cmdline``), the
+    learner's included, and a seed there would be the secret."""
     ap = argparse.ArgumentParser(prog="python -m minikv.grading.lab_server", description=__doc__.split("\n")[0])
     ap.add_argument("--mode", choices=("count", "ttft"), default="count")
     ap.add_argument("--clock", choices=("virtual", "real"), default="virtual")
     ap.add_argument("--seed", type=int, default=None, help="fixed secret (lessons); default: fresh from os.urandom")
+    ap.add_argument("--rounds", type=int, default=1, help="labs served one after another (default 1)")
     args = ap.parse_args(argv)
+    if args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
     make_undumpable()  # before the secret exists: no other process of this user can read our memory
-    seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(8), "big")
     from ..serve import BackgroundServer
 
-    app, card, answer = build_app(args.mode, args.clock, seed)
-    with BackgroundServer(app) as srv:
-        print(json.dumps({**card, "base_url": srv.base_url}), flush=True)
-        sys.stdin.read()  # the grader closes our stdin when the attack is over
-    print(json.dumps(answer()), flush=True)
+    for i in range(args.rounds):
+        seed = args.seed + i if args.seed is not None else int.from_bytes(os.urandom(8), "big")
+        app, card, answer = build_app(args.mode, args.clock, seed)
+        with BackgroundServer(app) as srv:
+            print(json.dumps({**card, "base_url": srv.base_url, "round": i + 1, "rounds": args.rounds}), flush=True)
+            done = sys.stdin.readline().strip() != "next"  # stdin closed (or anything but "next"): the last round
+        print(json.dumps(answer()), flush=True)
+        if done:
+            break
     return 0
 
 

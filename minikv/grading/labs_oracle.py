@@ -16,21 +16,26 @@ Scores are probes per recovered token, printed beside a baseline:
 * L2: the reference solution's cost, measured (:data:`TIMING_REFERENCE_PPT`).  More than
   :data:`TIMING_BUDGET` times that fails.
 
-A graded run (no ``seed``) attacks :data:`RUNS` fresh secrets, one server each, and must recover
-every one; the score is the **median** over them, so the same code scores the same from run to run
-(the reference: see :data:`SCORE_BANDS`).  L1 refuses, as impossible without a side door, a run
-that recovers a secret with fewer probes than the blocks it spans, and a median below the
+A graded run (no ``seed``) attacks :data:`RUNS` fresh secrets, all served in turn by one lab server
+that draws each itself, and must recover every one.  L1's score is the median over the secrets of
+:func:`~.labs_prior.exhaustive_cost` (what an exhaustive search in the alphabet's order spends on
+*that* secret) over the learner's probes: the luck of the draw cancels, so the reference scores
+1.00x every time and a re-grade of the same code moves only as much as its own cost does from secret
+to secret (:data:`SCORE_BANDS`).  Beside it the message prints the exhaustive search's expected and
+worst cost per token (:func:`exhaustive_probes`).  L1 refuses, as impossible without a side door, a
+run that recovers a secret with fewer probes than the blocks it spans, and a median below the
 secrets' information (:func:`information_floor`: log2 of each block's candidates, one probe
 answering one candidate).
 """
 from __future__ import annotations
 
 import math
-import os
 import statistics
+from contextlib import closing
 
 from ._lab import HiddenServer, refuse, run_graded
 from ._report import expect, grader
+from .labs_prior import exhaustive_cost  # L1's baseline on one secret: L4 prints it too
 
 #: probes per token of solutions/lab2_timing.py on the lab's layout when every wrong candidate trails by
 #: round 6 (blocks of 10, 100 and 10 candidates, six rounds and a flush each: 738 requests for 4 characters).
@@ -38,14 +43,14 @@ from ._report import expect, grader
 #: the virtual clock: mean 748, 99th percentile 832, at most 1,056 requests; none recovered wrong).
 TIMING_REFERENCE_PPT = 738 / 4
 TIMING_BUDGET = 4.0
-#: secrets per graded run (each its own server)
+#: secrets per graded run (served in turn by one lab server)
 RUNS = 5
-#: the median score of the reference solutions over RUNS fresh secrets, measured on the shared 2-core
-#: course machine: L1 over 4 graded runs gave 1.23x, 1.43x, 1.46x and 2.67x (an exhaustive search's
-#: cost is spread widely, and 5 secrets only narrow it so far); L2 costs 738 requests on most secrets
-#: (1.00x), more when a wrong candidate keeps up (the simulation's 99th percentile, 832, is 0.89x).
-#: The band a re-grade of unchanged reference code stays in:
-SCORE_BANDS = {"L1": (1.2, 2.7), "L2": (0.89, 1.0)}
+#: The band a re-grade of unchanged reference code stays in.  L1: the reference is the exhaustive search
+#: its score divides by, on the same secrets, so 1.00x exactly (before the score compared against the
+#: *expected* cost, four grades of the reference gave 1.23x, 1.43x, 1.46x and 2.67x and a fifth 0.85x: five
+#: uniform draws narrow an exhaustive search's cost only so far).  L2: 738 requests on most secrets (1.00x),
+#: more when a wrong candidate keeps up (the simulation's 99th percentile, 832, is 0.89x).
+SCORE_BANDS = {"L1": (1.0, 1.0), "L2": (0.89, 1.0)}
 
 
 def _blocks(card: dict) -> list[int]:
@@ -68,34 +73,33 @@ def information_floor(card: dict) -> float:
     return sum(u * math.log2(len(card["alphabet"])) for u in _blocks(card))
 
 
-def _seeds(seed: int | None) -> list[int | None]:
-    return [seed] if seed is not None else [int.from_bytes(os.urandom(4), "big") for _ in range(RUNS)]
-
-
 def exhaustive_probes(card: dict) -> tuple[float, int]:
     """(expected, worst) probes of an exhaustive block-by-block search for ``card``'s layout."""
-    bs, n, a, start = card["block_size"], card["secret_len"], len(card["alphabet"]), len(card["prefix"])
-    expected, worst, done = 0.0, 0, 0
-    while done < n:
-        pos = start + done
-        u = min((pos // bs + 1) * bs - pos, n - done)
-        expected += (a ** u + 1) / 2
-        worst += a ** u
-        done += u
+    expected, worst = 0.0, 0
+    for u in _blocks(card):
+        a = len(card["alphabet"]) ** u
+        expected += (a + 1) / 2
+        worst += a
     return expected, worst
 
 
-def run_lab(fn, mode: str, timeout: float, seed: int | None = None) -> tuple[object, dict, dict, float]:
-    """(learner's answer, lab card, server's answer key, seconds) of one sealed run."""
+def lab_runs(fn, mode: str, timeout: float, seed: int | None = None):
+    """Yield (learner's answer, lab card, server's answer key, seconds) for each secret of a graded
+    run: :data:`RUNS` of them (one for a fixed ``seed``), all from one lab server, which draws each
+    secret itself after the previous attack is over (``--rounds``: no seed on its command line, which
+    every process can read).  Stop iterating (or raise) and the server is killed."""
     why = refuse(fn)
     expect(why is None, str(why), "write the attack in its exercises/ file with OracleClient alone")
-    args = ["--mode", mode] + (["--seed", str(seed)] if seed is not None else [])
+    rounds = RUNS if seed is None else 1
+    args = ["--mode", mode, "--rounds", str(rounds)] + (["--seed", str(seed)] if seed is not None else [])
     with HiddenServer("minikv.grading.lab_server", *args) as srv:
-        guess, took = run_graded(fn, [srv.info], timeout,
-                                 error_hint="run it in the lesson against the demo server and read the traceback",
-                                 timeout_hint="a search that never stops usually re-probes the same block forever")
-        key = srv.reveal()
-    return guess, srv.info, key, took
+        for i in range(rounds):
+            card = srv.info
+            guess, took = run_graded(fn, [card], timeout,
+                                     error_hint="run it in the lesson against the demo server and read the traceback",
+                                     timeout_hint="a search that never stops usually re-probes the same block forever")
+            key = srv.reveal() if i == rounds - 1 else srv.next_round()
+            yield guess, card, key, took
 
 
 def _verdict(guess, card: dict, key: dict, lab: str) -> None:
@@ -135,20 +139,21 @@ def _verdict(guess, card: dict, key: dict, lab: str) -> None:
 @grader("recover the secret block by block with cached_tokens; see the lab's docstring")
 def check_oracle_attack(extract_secret, *, seed: int | None = None, timeout: float = 120.0) -> str:
     scores, per_token, took_all = [], [], 0.0
-    for s in _seeds(seed):
-        guess, card, key, took = run_lab(extract_secret, "count", timeout, s)
-        _verdict(guess, card, key, "L1")
-        expected, worst = exhaustive_probes(card)
-        n, probes = card["secret_len"], key["requests"]
-        expect(probes >= len(_blocks(card)), f"recovered the secret with {probes} probe(s), fewer than the "
-               f"{len(_blocks(card))} blocks it spans (each needs at least one probe that hits): impossible through "
-               "the oracle, so the answer came through a side door (bug class: side door -- not an attack on the "
-               "cache)", "attack through OracleClient alone: every answer must come from cached_tokens.")
-        expect(probes <= worst, f"recovered the secret, but with {probes} probes: an exhaustive search needs "
-               f"at most {worst}", "never send the same probe twice, and stop at the first hit")
-        scores.append(expected / probes)
-        per_token.append(probes / n)
-        took_all += took
+    with closing(lab_runs(extract_secret, "count", timeout, seed)) as runs:
+        for guess, card, key, took in runs:
+            _verdict(guess, card, key, "L1")
+            expected, worst = exhaustive_probes(card)
+            n, probes = card["secret_len"], key["requests"]
+            expect(probes >= len(_blocks(card)), f"recovered the secret with {probes} probe(s), fewer than the "
+                   f"{len(_blocks(card))} blocks it spans (each needs at least one probe that hits): impossible "
+                   "through the oracle, so the answer came through a side door (bug class: side door -- not an "
+                   "attack on the cache)", "attack through OracleClient alone: every answer must come from "
+                   "cached_tokens.")
+            expect(probes <= worst, f"recovered the secret, but with {probes} probes: an exhaustive search needs "
+                   f"at most {worst}", "never send the same probe twice, and stop at the first hit")
+            scores.append(exhaustive_cost(card, key["secret"]) / probes)
+            per_token.append(probes / n)
+            took_all += took
     floor = information_floor(card)
     expect(len(per_token) < RUNS or statistics.median(per_token) * n >= floor,
            f"recovered every secret with a median of {statistics.median(per_token) * n:.0f} probes, below the "
@@ -156,26 +161,26 @@ def check_oracle_attack(extract_secret, *, seed: int | None = None, timeout: flo
            "the oracle does that over several secrets, so the answers came through a side door (bug class: side "
            "door -- not an attack on the cache)", "attack through OracleClient alone: every answer must come "
            "from cached_tokens.")
-    runs = f"median of {len(scores)} secrets, " if len(scores) > 1 else ""
+    runs = f"median of {len(scores)} secrets; " if len(scores) > 1 else ""
     return (f"recovered {n} characters with {statistics.median(per_token):.1f} probes per token ({runs}exhaustive "
-            f"search: {expected / n:.1f} expected, {worst / n:.1f} worst; score {statistics.median(scores):.2f}x), "
-            f"{took_all:.1f} s")
+            f"search over such secrets: {expected / n:.1f} expected, {worst / n:.1f} worst; score "
+            f"{statistics.median(scores):.2f}x against an exhaustive search on the same secrets), {took_all:.1f} s")
 
 
 @grader("interleave repeats so that no probe is re-sent before it aged out; see the lab's docstring")
 def check_timing_attack(extract_secret_by_timing, *, seed: int | None = None, timeout: float = 240.0) -> str:
     scores, per_token, primed, took_all = [], [], 0, 0.0
-    for s in _seeds(seed):
-        guess, card, key, took = run_lab(extract_secret_by_timing, "ttft", timeout, s)
-        _verdict(guess, card, key, "L2")
-        n, probes = card["secret_len"], key["requests"]
-        budget = TIMING_BUDGET * TIMING_REFERENCE_PPT * n
-        expect(probes <= budget, f"recovered the secret with {probes} probes, over the budget of {budget:.0f}",
-               "drop the slowest candidates after a few rounds instead of sampling all of them every time")
-        scores.append(TIMING_REFERENCE_PPT * n / probes)
-        per_token.append(probes / n)
-        primed += key["self_primed"]
-        took_all += took
+    with closing(lab_runs(extract_secret_by_timing, "ttft", timeout, seed)) as runs:
+        for guess, card, key, took in runs:
+            _verdict(guess, card, key, "L2")
+            n, probes = card["secret_len"], key["requests"]
+            budget = TIMING_BUDGET * TIMING_REFERENCE_PPT * n
+            expect(probes <= budget, f"recovered the secret with {probes} probes, over the budget of {budget:.0f}",
+                   "drop the slowest candidates after a few rounds instead of sampling all of them every time")
+            scores.append(TIMING_REFERENCE_PPT * n / probes)
+            per_token.append(probes / n)
+            primed += key["self_primed"]
+            took_all += took
     runs = f" (median of {len(scores)} secrets)" if len(scores) > 1 else ""
     return (f"recovered {n} characters from TTFT with {statistics.median(per_token):.1f} probes per token{runs} "
             f"(reference: {TIMING_REFERENCE_PPT:.0f}; score {statistics.median(scores):.2f}x), "

@@ -14,12 +14,11 @@ request-level audit trail, JSONL; auditor key), where ``<root>`` is the URL with
 
 Return one finding per misconfigured node: ``{"node": <its URL as given>, "kind": <kind>}``.
 
-``shared_cache``        the cache is shared: another tenant's private prompt hits, and the trail
-                        shows the cross-tenant hits;
-``tenant_key_dropped``  another tenant's private prompt hits, but the trail never saw two tenants:
-                        the tenant is lost on the way to the hash;
-``first_block_only``    private prompts are isolated -- until they start with the public prefix;
-``weak_hash``           a crafted colliding block (lesson 06) is served from the original's entry;
+``shared_cache``        ``cache_isolation="shared"``;
+``tenant_key_dropped``  the server loses the tenant before the engine: every request reaches the hash
+                        without one;
+``first_block_only``    tenant keys on the first block only, behind the public prefix (lesson 07);
+``weak_hash``           the ``poly`` hash with ``verify_hits=False`` (lesson 06);
 ``client_salt_key``     the node keys its cache by a request's ``cache_salt`` alone when one is sent
                         (vLLM's contract, but with no tenant behind the salt).
 
@@ -31,7 +30,8 @@ Use only public tools and HTTP: ``minikv audit isolation`` (``minikv.audit.isola
 ``minikv.attacks.collisions`` and ``httpx``.  The lab model's tokenizer is byte-level (ids 3..258
 are the bytes 0..255; one ASCII character is one token), its vocabulary has 259 ids, and a prompt
 may be a list of token ids.  ``make grade`` builds a fresh fleet from a new seed in another
-process and checks your findings against its answer key: found, missed, false alarm.
+process (seven nodes: every kind at least once, and one or two clean nodes) and checks your
+findings against its answer key: found, missed, false alarm.
 """
 from __future__ import annotations
 

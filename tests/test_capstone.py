@@ -15,7 +15,7 @@ import exercises.capstone_audit as ex
 import solutions.capstone_audit as sol
 from minikv.grading import capstone
 from minikv.grading.mutants.labs import LAB_MUTANTS
-from minikv.grading.mystery_fleet import KINDS, draw_fleet
+from minikv.grading.mystery_fleet import GRADED_NODES, KINDS, draw_fleet, draw_graded_fleet
 
 ALL_FOUR = 6    # lesson 12's demo fleet: the four visible kinds and a clean node
 ALL_FIVE = 25   # the hidden client_salt_key too
@@ -39,6 +39,27 @@ def test_draw_fleet_is_a_random_subset_on_random_nodes():
     assert sum("client_salt_key" in [n["kind"] for n in f] for f in fleets) >= 20
     with pytest.raises(ValueError, match="num_nodes must be >= 5"):
         draw_fleet(0, num_nodes=4)
+
+
+def test_a_graded_fleet_carries_every_kind_and_a_clean_node():
+    """What make grade audits: each kind at least once, so an audit missing any one test fails every
+    grade, not 40% of them; 1 or 2 clean nodes, so the last kind is not named by elimination."""
+    fleets = [[n["kind"] for n in draw_graded_fleet(s)] for s in range(200)]
+    assert draw_graded_fleet(3) == draw_graded_fleet(3) and fleets[0] != fleets[1]
+    assert GRADED_NODES == 7 and {len(f) for f in fleets} == {7}
+    assert all(set(KINDS) <= set(f) for f in fleets)
+    assert {f.count(None) for f in fleets} == {1, 2}
+    for kind in KINDS:  # each kind on every node position somewhere in 200 fleets
+        assert {i for f in fleets for i, k in enumerate(f) if k == kind} == set(range(GRADED_NODES))
+
+
+def test_a_graded_run_fails_an_audit_that_never_tests_the_salt(capsys):
+    """No seed: a graded fleet, drawn fresh.  The audit that lacks the cache_salt test misses
+    client_salt_key on every such fleet (on lesson draws it passed whenever the kind was not drawn)."""
+    fn = dict((n, f) for n, f, _ in LAB_MUTANTS["C"])["salt_per_tenant"]
+    assert not capstone.check_capstone(fn)
+    out = capsys.readouterr().out
+    assert "client_salt_key      MISSED" in out and "requests over 7 nodes" in out, out
 
 
 def test_compare_reports_found_missed_and_false_alarms():

@@ -1,10 +1,10 @@
 """The capstone's mystery fleet (lesson 12): N minikv servers, some misconfigured, behind HTTP.
 
-    python -m minikv.grading.mystery_fleet [--seed N] [--nodes 5]
+    python -m minikv.grading.mystery_fleet [--seed N] [--nodes 5 | --graded]
 
 Run as a subprocess by the capstone grader (and by lesson 12 with a fixed seed).  From its seed
 (``os.urandom`` by default) it draws a random subset of :data:`KINDS`, puts each on its own
-random node, and serves every node with the real app (:func:`minikv.serve.create_app`, tiny-random,
+random node (a graded fleet, ``--graded``, carries every kind: :func:`draw_graded_fleet`), and serves every node with the real app (:func:`minikv.serve.create_app`, tiny-random,
 ``cached_tokens`` reported) on its own loopback port.  It prints one JSON line -- the node URLs,
 two tenants' API keys, the auditor's key and the list of kinds -- and prints the **answer key**
 (which node has which misconfiguration, and how many requests each node served) only when its
@@ -84,6 +84,25 @@ def draw_fleet(seed: int, num_nodes: int = 5) -> list[dict]:
         if free and rng.random() < 0.6:
             nodes[free.pop(int(rng.integers(len(free))))]["kind"] = kind
     return nodes
+
+
+#: nodes of a graded fleet: one per kind, one always clean, and one more, clean or a second copy of a kind
+GRADED_NODES = len(KINDS) + 2
+
+
+def draw_graded_fleet(seed: int) -> list[dict]:
+    """A graded fleet: :data:`GRADED_NODES` nodes that carry **every** kind at least once, on random
+    nodes, and at least one clean node.  :func:`draw_fleet`'s random subset suits a lesson, but
+    grading on it would let an audit that never tests a kind pass whenever that kind was not drawn
+    (40% of fleets for each): an audit without a ``cache_salt`` test passed 2 grades in a row in a
+    timed walkthrough.  The last node is clean or a second copy of a random kind (even odds), so
+    the count of clean nodes (1 or 2) does not let an audit name the last kind by elimination."""
+    rng = np.random.default_rng(seed)
+    extra = None if rng.random() < 0.5 else KINDS[int(rng.integers(len(KINDS)))]
+    kinds = list(KINDS) + [None, extra]
+    order = rng.permutation(GRADED_NODES)
+    return [{"kind": kinds[int(i)], "public_prefix": PUBLIC_PREFIXES[int(rng.integers(2))],
+             "decoy_poly": bool(rng.random() < 0.5)} for i in order]
 
 
 _CLIENT_SALT: contextvars.ContextVar = contextvars.ContextVar("fleet_client_salt", default=None)
@@ -205,12 +224,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m minikv.grading.mystery_fleet", description=__doc__.split("\n")[0])
     ap.add_argument("--seed", type=int, default=None, help="fixed fleet (lessons); default: fresh from os.urandom")
     ap.add_argument("--nodes", type=int, default=5)
+    ap.add_argument("--graded", action="store_true",
+                    help=f"a graded fleet: every kind at least once on {GRADED_NODES} nodes (--nodes ignored)")
     args = ap.parse_args(argv)
     make_undumpable()  # before the secret exists: no other process of this user can read our memory
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(8), "big")
     from ..serve import BackgroundServer
 
-    nodes = draw_fleet(seed, args.nodes)
+    nodes = draw_graded_fleet(seed) if args.graded else draw_fleet(seed, args.nodes)
     with tempfile.TemporaryDirectory() as tmp:
         apps = [build_node(n, str(Path(tmp) / f"node{i}.jsonl")) for i, n in enumerate(nodes)]
         servers = [BackgroundServer(a).start() for a in apps]

@@ -1,8 +1,8 @@
 """Grader of the capstone (lesson 12): audit a mystery fleet, compare with its answer key.
 
 A fresh fleet (:mod:`minikv.grading.mystery_fleet`, new seed from ``os.urandom``, every kind on it
-at least once: :func:`~.mystery_fleet.draw_graded_fleet`) runs in a subprocess behind HTTP; the learner's ``audit_fleet(fleet)`` runs in another fresh process that
-receives only the fleet card (URLs and keys).  When it returns, the fleet prints its answer key
+at least once: :func:`~.mystery_fleet.draw_graded_fleet`) runs in a subprocess behind HTTP; the
+learner's ``audit_fleet(fleet)`` runs in another fresh process that receives only the fleet card (URLs and keys).  When it returns, the fleet prints its answer key
 and the number of requests each node served.  Feedback is one line per finding:
 
 * ``found``        -- the right kind on the right node;
@@ -44,16 +44,14 @@ def compare(findings: list[dict], key: list[dict], nodes: list[str]) -> tuple[li
     return lines, missed, false
 
 
-def run_capstone(audit_fleet, seed: int | None = None, timeout: float = 300.0, graded: bool | None = None):
-    """(findings, fleet card, answer key, seconds) of one sealed audit of a fresh fleet.
-    ``graded`` (the default without a ``seed``): a fleet that carries every kind
-    (:func:`~.mystery_fleet.draw_graded_fleet`), so no kind's test can go unexamined; with a seed
-    and ``graded`` unset, the lessons' draw (a random subset)."""
+def run_capstone(audit_fleet, seed: int | None = None, timeout: float = 300.0):
+    """(findings, fleet card, answer key, seconds) of one sealed audit of a fresh fleet.  Without a
+    ``seed`` (a grade) the fleet carries every kind (:func:`~.mystery_fleet.draw_graded_fleet`), so
+    no kind's test can go unexamined; a seed (lessons, tests) gives the lessons' draw, a random subset."""
     why = refuse(audit_fleet, CAPSTONE_RULES)
     expect(why is None, str(why), "audit with the public tools (minikv audit ..., minikv.audit.isolation_server, "
            "minikv.attacks.collisions) and HTTP only, in exercises/capstone_audit.py")
-    args = (["--seed", str(seed)] if seed is not None else []) + (["--graded"] if graded or
-                                                                   (graded is None and seed is None) else [])
+    args = ["--seed", str(seed)] if seed is not None else ["--graded"]
     with HiddenServer("minikv.grading.mystery_fleet", *args) as fleet:
         findings, took = run_graded(audit_fleet, [fleet.info], timeout,
                                     error_hint="run it in lesson 12 against the demo fleet first",
@@ -63,9 +61,8 @@ def run_capstone(audit_fleet, seed: int | None = None, timeout: float = 300.0, g
 
 
 @grader("audit every node: private prompts across tenants, the public prefix, a crafted collision, a shared salt")
-def check_capstone(audit_fleet, *, seed: int | None = None, timeout: float = 300.0,
-                   graded: bool | None = None) -> str:
-    findings, card, key, took = run_capstone(audit_fleet, seed, timeout, graded)
+def check_capstone(audit_fleet, *, seed: int | None = None, timeout: float = 300.0) -> str:
+    findings, card, key, took = run_capstone(audit_fleet, seed, timeout)
     nodes = card["nodes"]
     expect(isinstance(findings, list) and all(isinstance(f, dict) and f.get("node") in nodes
                                               and f.get("kind") in KINDS for f in findings),

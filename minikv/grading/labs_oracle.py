@@ -35,7 +35,7 @@ from contextlib import closing
 
 from ._lab import HiddenServer, refuse, run_graded
 from ._report import expect, grader
-from .labs_prior import exhaustive_cost  # L1's baseline on one secret: L4 prints it too
+from .labs_prior import _blocks as blocks_of, exhaustive_cost  # L1's baseline on one secret: L4 prints it too
 
 #: probes per token of solutions/lab2_timing.py on the lab's layout when every wrong candidate trails by
 #: round 6 (blocks of 10, 100 and 10 candidates, six rounds and a flush each: 738 requests for 4 characters).
@@ -54,15 +54,9 @@ SCORE_BANDS = {"L1": (1.0, 1.0), "L2": (0.89, 1.0)}
 
 
 def _blocks(card: dict) -> list[int]:
-    """The number of unknown characters in each block the secret touches."""
-    bs, n, start = card["block_size"], card["secret_len"], len(card["prefix"])
-    out, done = [], 0
-    while done < n:
-        pos = start + done
-        u = min((pos // bs + 1) * bs - pos, n - done)
-        out.append(u)
-        done += u
-    return out
+    """The number of unknown characters in each block the secret touches (labs_prior's block walk:
+    the secret's characters do not matter, only its length)."""
+    return [len(fill) for _, fill in blocks_of(card, "?" * card["secret_len"])]
 
 
 def information_floor(card: dict) -> float:

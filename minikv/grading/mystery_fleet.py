@@ -4,8 +4,9 @@
 
 Run as a subprocess by the capstone grader (and by lesson 12 with a fixed seed).  From its seed
 (``os.urandom`` by default) it draws a random subset of :data:`KINDS`, puts each on its own
-random node (a graded fleet, ``--graded``, carries every kind: :func:`draw_graded_fleet`), and serves every node with the real app (:func:`minikv.serve.create_app`, tiny-random,
-``cached_tokens`` reported) on its own loopback port.  It prints one JSON line -- the node URLs,
+random node (a graded fleet, ``--graded``, carries every kind: :func:`draw_graded_fleet`), and
+serves every node with the real app (:func:`minikv.serve.create_app`, tiny-random, ``cached_tokens``
+reported) on its own loopback port.  It prints one JSON line -- the node URLs,
 two tenants' API keys, the auditor's key and the list of kinds -- and prints the **answer key**
 (which node has which misconfiguration, and how many requests each node served) only when its
 stdin closes.  The learner's process never holds the answer.

@@ -8,6 +8,8 @@ turns the outcome into one printed message and a bool:
 * ``❌ check_x failed: <what went wrong>`` plus ``Hint: <how to fix it>``
 * ``❌ check_x: <name> is not implemented yet`` when the learner's code raised
   ``NotImplementedError`` (the stub)
+* ``❌ check_x could not grade: <what>`` when the grader's own machinery failed
+  (:class:`GraderFault`); no verdict on the learner's code, and the check counts as not passed
 * ``❌ check_x failed: your code raised <Exception>: <message>`` for any other exception
   raised by the learner's code, with the check's hint.
 
@@ -28,6 +30,11 @@ class CheckFailed(Exception):
     def __init__(self, what: str, hint: str = ""):
         super().__init__(what)
         self.what, self.hint = what, hint
+
+
+class GraderFault(Exception):
+    """The grader's own machinery failed (a lab server that would not start or stop): the check
+    cannot give a verdict, and must not blame the learner's code for it."""
 
 
 def expect(condition, what: str, hint: str = "") -> None:
@@ -94,6 +101,8 @@ def grader(default_hint: str) -> Callable:
                 if not quiet:
                     print(msg)
 
+            run.last_fault = None  # the gradebook reads it: a fault is status "error", not "failed"
+
             try:
                 with single_thread():
                     summary = check(*args, **kwargs)
@@ -101,6 +110,12 @@ def grader(default_hint: str) -> Callable:
                 say(f"❌ {name} failed: {fail.what}")
                 if fail.hint or default_hint:
                     say(_indent(f"Hint: {fail.hint or default_hint}"))
+                return False
+            except GraderFault as fault:
+                run.last_fault = str(fault)
+                say(f"❌ {name} could not grade: {fault}")
+                say(_indent("Hint: this is not a verdict on your code; run the check again, "
+                            "on a machine with less else running"))
                 return False
             except NotImplementedError as exc:
                 what = str(exc).split(":")[0] if str(exc) else "your code"
@@ -116,6 +131,7 @@ def grader(default_hint: str) -> Callable:
             return True
 
         run.__wrapped_check__ = check
+        run.last_fault = None
         return run
 
     return wrap

@@ -181,3 +181,14 @@ def _limits(writable: str | None = None) -> None:
     for what, value in ((resource.RLIMIT_CPU, LIMITS["cpu_s"]), (resource.RLIMIT_AS, LIMITS["memory_bytes"]),
                         (resource.RLIMIT_NOFILE, LIMITS["files"]), (resource.RLIMIT_FSIZE, LIMITS["file_bytes"])):
         resource.setrlimit(what, (value, value))
+
+
+def reap(proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    """Wait for a process that was just killed, without raising.  Called on the way out of an
+    error, it must not replace that error with one about the clean-up: on a loaded machine a
+    killed process took more than 10 s to be reaped, and the ``TimeoutExpired`` of that wait was
+    what a grade reported.  A process still unreaped after ``timeout`` is left to the kernel."""
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        pass

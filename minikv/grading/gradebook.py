@@ -16,7 +16,9 @@ second Unix user or no capabilities), which only answers calls with data.  So:
   only the two of them hold (sent on the grader's stdin, never written down; both processes are
   non-dumpable): a forged result is ``tampering`` too;
 * the strict gate (:mod:`.guard`) still reads every file first, for a friendly early message
-  (status ``refused``).
+  (status ``refused``);
+* a check whose own machinery failed (a lab server that would not start or stop in time on a
+  loaded machine) gives no verdict on the code: status ``error``, and that student wants a regrade.
 
 Output, in ``DIR`` (or ``--out``):
 

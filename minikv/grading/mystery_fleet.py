@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     make_undumpable()  # before the secret exists: no other process of this user can read our memory
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(8), "big")
-    from ..serve import BackgroundServer
+    from ..serve.background import BackgroundServer, stop_all
 
     nodes = draw_graded_fleet(seed) if args.graded else draw_fleet(seed, args.nodes)
     with tempfile.TemporaryDirectory() as tmp:
@@ -242,8 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                               "kinds": list(KINDS), "model": "tiny"}), flush=True)
             sys.stdin.read()  # the grader closes our stdin when the audit is over
         finally:
-            for s in servers:
-                s.stop()
+            stop_all(servers)
     print(json.dumps({"findings": [{"node": u, "kind": n["kind"]} for u, n in zip(urls, nodes) if n["kind"]],
                       "requests": {u: a.state.fleet_requests for u, a in zip(urls, apps)}}), flush=True)
     return 0

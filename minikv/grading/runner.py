@@ -108,7 +108,8 @@ def grade_one(ex: Exercise, package: str, quiet: bool = False, strict: bool = Fa
 
 
 def grade_one_status(ex: Exercise, package: str, quiet: bool = False, strict: bool = False) -> tuple[bool, str, str]:
-    """:func:`grade_one` plus a status: passed, failed, refused (by the gate), timeout, tampering."""
+    """:func:`grade_one` plus a status: passed, failed, refused (by the gate), timeout, tampering,
+    error (the grader's own machinery failed: :class:`~._report.GraderFault`)."""
     buf = io.StringIO()
     path = package_dir(package) / f"{ex.module}.py" if strict else module_file(package, ex.module)
     stub = stub_source(ex.module) if strict else None
@@ -123,7 +124,7 @@ def grade_one_status(ex: Exercise, package: str, quiet: bool = False, strict: bo
             ok, status = sealed_check(ex, package)
         else:
             ok = _run_check(ex, package)
-            status = "passed" if ok else "failed"
+            status = "error" if getattr(ex.check, "last_fault", None) else "passed" if ok else "failed"
     text = buf.getvalue()
     if not quiet:
         print(text, end="")
@@ -162,6 +163,8 @@ def sealed_check(ex: Exercise, package: str) -> tuple[bool, str]:
         return False, "tampering"
     if child.timed_out:
         return False, "timeout"
+    if getattr(ex.check, "last_fault", None):
+        return False, "error"  # the grader's machinery failed: regrade, no verdict on the code
     return ok, "passed" if ok else "failed"
 
 

@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 
 from . import _wire
-from ._sandbox import LIMITS, _limits, isolation, make_undumpable, sandbox_user  # noqa: F401 -- re-exported
+from ._sandbox import LIMITS, _limits, isolation, make_undumpable, reap, sandbox_user  # noqa: F401 -- re-exported
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -243,7 +243,7 @@ class SealedChild:
                 os.killpg(self.proc.pid, 9)
             except ProcessLookupError:
                 pass
-            self.proc.wait(10)
+            reap(self.proc)
         self._log.close()
 
     def __enter__(self):

@@ -80,9 +80,13 @@ class BackgroundServer:
             logging.getLogger("uvicorn.error").removeHandler(errors)
         return self
 
-    def stop(self, timeout: float = 30.0) -> None:
+    def signal_stop(self) -> None:
+        """Ask uvicorn to shut down, without waiting for it (see :func:`stop_all`)."""
         if self._server is not None:
             self._server.should_exit = True
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self.signal_stop()
         if self._thread is not None:
             self._thread.join(timeout)
         if self._sock is not None:
@@ -94,6 +98,16 @@ class BackgroundServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def stop_all(servers: list[BackgroundServer], timeout: float = 30.0) -> None:
+    """Stop several servers at once: every one is told to shut down before any is waited for, so
+    the shutdowns (each a graceful close of its connections and its engine thread) overlap, and
+    stopping a fleet takes as long as its slowest node rather than the sum of them all."""
+    for s in servers:
+        s.signal_stop()
+    for s in servers:
+        s.stop(timeout)
 
 
 def _run_quietly(server, sock: socket.socket) -> None:

@@ -1,8 +1,9 @@
 """When the grader's own machinery fails, the learner is not blamed and the gradebook says "error".
 
 A CI run failed the capstone's reference audit with "your code raised TimeoutExpired": the mystery
-fleet, on a machine about 25x slower than quiet (beside a busy vLLM), had not stopped within 60 s
-of the audit, and the clean-up's own 10 s wait then raised over the real error.  The audit was fine.
+fleet, stalled in ``import torch`` beside a busy vLLM pinned to core 0 (``_lab.HiddenServer.reveal``
+says why), had not stopped within 60 s of the audit, and the clean-up's own 10 s wait then raised
+over the real error.  The audit was fine.
 """
 from __future__ import annotations
 
@@ -80,6 +81,21 @@ def test_the_gradebook_status_of_a_grader_fault_is_error(deaf_server, monkeypatc
     ok, text, status = runner.grade_one_status(ex, "solutions", quiet=True)
     assert (ok, status) == (False, "error"), text
     assert "check_capstone could not grade: the lab server did not stop within 1 s" in text
+
+
+def test_a_fault_of_an_earlier_grade_never_marks_a_later_one(tmp_path, monkeypatch):
+    """A check that cannot even start (the learner's module does not import) is "failed", even
+    right after the same check recorded a fault: the status is this grade's, never the last one's."""
+    ex = next(e for e in runner.EXERCISES if e.id == "C")
+    pkg = tmp_path / "brokenpkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / f"{ex.module}.py").write_text("raise ImportError('this module is broken on purpose')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(ex.check, "last_fault", "the lab server did not stop within 1 s")  # an earlier grade's
+    ok, text, status = runner.grade_one_status(ex, "brokenpkg", quiet=True)
+    assert (ok, status) == (False, "failed"), text
+    assert "cannot import brokenpkg" in text and "broken on purpose" in text
 
 
 class _Recorder:

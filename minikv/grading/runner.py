@@ -115,6 +115,8 @@ def grade_one_status(ex: Exercise, package: str, quiet: bool = False, strict: bo
     stub = stub_source(ex.module) if strict else None
     refused = guard.check_file(path, grading_submission=strict, stub=stub) if path is not None else []
     status = "refused"
+    if hasattr(ex.check, "last_fault"):  # a check that never runs (an import failed) leaves no stale fault
+        ex.check.last_fault = None
     with redirect_stdout(buf):
         if refused:
             print(f"❌ {ex.check.__name__}: not graded -- " + "\n   ".join(refused))
@@ -124,7 +126,9 @@ def grade_one_status(ex: Exercise, package: str, quiet: bool = False, strict: bo
             ok, status = sealed_check(ex, package)
         else:
             ok = _run_check(ex, package)
-            status = "error" if getattr(ex.check, "last_fault", None) else "passed" if ok else "failed"
+            status = "passed" if ok else "failed"
+    if status in ("passed", "failed") and getattr(ex.check, "last_fault", None):
+        status = "error"  # the grader's machinery failed (GraderFault): regrade, no verdict on the code
     text = buf.getvalue()
     if not quiet:
         print(text, end="")
@@ -163,8 +167,6 @@ def sealed_check(ex: Exercise, package: str) -> tuple[bool, str]:
         return False, "tampering"
     if child.timed_out:
         return False, "timeout"
-    if getattr(ex.check, "last_fault", None):
-        return False, "error"  # the grader's machinery failed: regrade, no verdict on the code
     return ok, "passed" if ok else "failed"
 
 

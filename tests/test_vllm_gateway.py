@@ -87,16 +87,32 @@ def _timing(base, attacker, victim):
     return r, {"p": r.p_value, "auc": r.auc, "median_hit_ms": r.median_hit * 1e3, "median_miss_ms": r.median_miss * 1e3}
 
 
+def _timing_detects(base, attacker, victim, tries=3):
+    """:func:`_timing` until it detects at p < 1e-8, at most ``tries`` times (each run salts fresh
+    prompts, so the runs are independent).  Only for the arms that MUST detect: under the suite's
+    load a real hit can time noisily (a rehearsal once measured p = 2.9e-6, medians 611 vs 977 ms,
+    where a quiet run here gave p = 8.5e-18, AUC 1.0), while retries cannot make a cache without
+    sharing detect at 1e-8.  The arm that must NOT detect gets one run, so retries never buy a
+    pass.  Returns the last run, with every run's figures."""
+    runs = []
+    for _ in range(tries):
+        r, fig = _timing(base, attacker, victim)
+        runs.append(fig)
+        if r.detected and r.p_value < 1e-8:
+            break
+    return r, {**fig, "runs": len(runs), "all_runs": runs}
+
+
 def test_timing_audit_straight_against_vllm_detects_sharing(vllm):
-    r, FIGURES["timing_direct"] = _timing(vllm, "sk-attacker", "sk-victim")   # vLLM ignores both keys
-    assert r.detected and r.p_value < 1e-8, r.summary()
+    r, FIGURES["timing_direct"] = _timing_detects(vllm, "sk-attacker", "sk-victim")   # vLLM ignores both keys
+    assert r.detected and r.p_value < 1e-8, (r.summary(), FIGURES["timing_direct"])
 
 
 def test_timing_audit_through_the_gateway_paired(gateway):
     cross, FIGURES["timing_gateway_cross_tenant"] = _timing(gateway.base_url, "sk-bob-1", "sk-alice-1")
-    same, FIGURES["timing_gateway_same_tenant"] = _timing(gateway.base_url, "sk-alice-2", "sk-alice-1")
+    same, FIGURES["timing_gateway_same_tenant"] = _timing_detects(gateway.base_url, "sk-alice-2", "sk-alice-1")
     assert not cross.detected, cross.summary()
-    assert same.detected and same.p_value < 1e-8, same.summary()    # the pairing: caching still works
+    assert same.detected and same.p_value < 1e-8, (same.summary(), FIGURES["timing_gateway_same_tenant"])  # caching works
 
 
 def test_isolation_audit_fails_straight_and_passes_through_the_gateway(vllm, gateway):

@@ -118,10 +118,19 @@ def start(args: argparse.Namespace) -> int:
            "--host", "127.0.0.1", "--port", str(args.port), "--max-model-len", str(args.max_model_len)]
     started = time.time()
     with open(log_file, "wb") as log:
-        # A session of its own: the server forks engine workers, and stop() ends the whole
-        # group by this one PID.
+        # A process group of its own: the server forks engine workers, and stop() ends the whole
+        # group by this one PID.  Not a session of its own: Linux's autogroup scheduler gives each
+        # session a fair share as a whole, and vLLM's CPU build pins its busy worker to core 0, so a
+        # session of its own owned that core.  Every `import torch` pins itself to each core in turn
+        # (MKL counting cores), and a test process importing torch then waited behind vLLM's session
+        # for minutes.  Measured (2 cores, vLLM serving a steady load, two busy loops beside): in
+        # its own session, 5 fresh imports took 3.6-4.5 s, the sixth 187 s, and the seventh was
+        # still waiting 6 min later; in the caller's session, 16 of 16 took 1.7-2.6 s.  The price:
+        # under that load vLLM shares core 0 with its neighbours (timing audit, 30 samples of 512
+        # tokens: hit/miss medians 520/1,566 ms against 263/816 ms in its own session; p = 8.5e-18
+        # in both).
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                start_new_session=True)
+                                process_group=0)
     pid_file.write_text(f"{proc.pid}\n")
     while time.time() - started < args.timeout:
         if proc.poll() is not None:

@@ -125,9 +125,10 @@ class HiddenServer:
         The timeout is generous on purpose: a fleet stops in about 1 s on a quiet machine, but a
         grade shares the machine with whatever else runs.  In a CI run beside a busy vLLM, fleets
         sat 40-180 s in ``import torch``: MKL counts cores by pinning the importing thread to each
-        core in turn, and vLLM's CPU build pins its worker to core 0 (in its own session, so the
-        scheduler gives that core to vLLM's group first).  A timeout there would read as a failed
-        audit to the learner; it is a :class:`GraderFault` instead."""
+        core in turn, and vLLM's CPU build pins its worker to core 0; that vLLM ran in a session
+        of its own, which the scheduler gave that core first (``scripts/vllm_server.py`` no longer
+        does).  Any busy neighbour can still slow a fleet: a timeout here would read as a failed
+        audit to the learner, so it is a :class:`GraderFault` instead."""
         try:
             out, err = self.proc.communicate(input="", timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -10,7 +10,10 @@ Two memory figures, because they answer different questions:
   "Maximum resident set size", and the one that decides whether a laptop can run the suite;
 * **whole tree** -- the largest sum of resident sets over the command and all its descendants,
   sampled twice a second from ``/proc`` (Linux; skipped elsewhere).  It catches a suite that
-  keeps several medium processes alive at once, which the first figure cannot see.
+  keeps several medium processes alive at once, which the first figure cannot see.  A page two
+  processes share (a library, a forked parent's memory) is resident in both, so that sum counts it
+  twice; beside it goes the largest sum of *proportional* sets (``Pss`` in ``smaps_rollup``: a
+  page shared by n processes counts 1/n in each), which is what the tree really occupies.
 
 Servers that detach from the tree (the vLLM that ``make test`` starts first) are in neither.
 ``--max-rss-gb`` only warns: a budget printed at every run is what keeps it visible; the tests
@@ -29,9 +32,11 @@ import time
 GB = 1 << 30
 
 
-def tree_rss(pid: int, per_pid: dict[int, int] | None = None) -> int:
+def tree_rss(pid: int, per_pid: dict[int, int] | None = None, pss: list[int] | None = None) -> int:
     """Summed resident bytes of ``pid`` and all its descendants, read from ``/proc`` (Linux).
-    ``per_pid``, if given, keeps each descendant's largest RSS seen so far.
+    ``per_pid``, if given, keeps each descendant's largest RSS seen so far; ``pss``, if given,
+    gets the same tree's summed proportional bytes as ``pss[0]`` (a process whose ``smaps_rollup``
+    cannot be read counts its RSS).
 
     Stdlib only, so ``make test`` can measure itself before the venv exists.  A process may end
     between listing and reading: it is simply not counted.
@@ -52,16 +57,33 @@ def tree_rss(pid: int, per_pid: dict[int, int] | None = None) -> int:
     children: dict[int, list[int]] = {}
     for child, ppid in parent.items():
         children.setdefault(ppid, []).append(child)
-    total, todo = 0, [pid]
+    total, proportional, todo = 0, 0, [pid]
     while todo:
         p = todo.pop()
         total += rss.get(p, 0)
+        if pss is not None and p in rss:
+            proportional += proportional_bytes(p, rss[p])
         if per_pid is not None and rss.get(p, 0) > per_pid.get(p, 0):
             per_pid[p] = rss[p]
             if p not in NAMES:
                 NAMES[p] = command_of(p)
         todo += children.get(p, [])
+    if pss is not None:
+        pss[0] = proportional
     return total
+
+
+def proportional_bytes(pid: int, fallback: int) -> int:
+    """``pid``'s proportional set size (``Pss`` of ``/proc/<pid>/smaps_rollup``, Linux 4.14+),
+    or ``fallback`` where it cannot be read (the process ended, or an older kernel)."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as fh:
+            for line in fh:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return fallback
 
 
 NAMES: dict[int, str] = {}  # pid -> its command line, read when first seen
@@ -78,11 +100,18 @@ def command_of(pid: int, width: int = 110) -> str:
 
 def tree_sampler(pid: int, stop: threading.Event, peak: list[int], per_pid: dict[int, int]) -> None:
     """Keep ``peak[0]`` at the largest summed RSS of ``pid``'s tree, and ``per_pid`` at each
-    process's own largest, sampled twice a second."""
+    process's own largest, sampled twice a second; ``peak[1]`` at the largest summed PSS, sampled
+    every 2 s: the kernel walks a process's page tables to sum its PSS (17 ms for a 3 GB process
+    here), and at half a second that would take about 9% of a core from the suite it measures."""
     if not os.path.isdir("/proc"):
         return
+    pss, n = [0], 0
     while not stop.wait(0.5):
-        peak[0] = max(peak[0], tree_rss(pid, per_pid))
+        want_pss = n % 4 == 0
+        peak[0] = max(peak[0], tree_rss(pid, per_pid, pss if want_pss else None))
+        if want_pss:
+            peak[1] = max(peak[1], pss[0])
+        n += 1
 
 
 def module_report(path: str, top: int = 6) -> list[str]:
@@ -120,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("no command given (put it after --)")
     started = time.monotonic()
     proc = subprocess.Popen(cmd)
-    stop, peak, per_pid = threading.Event(), [0], {}
+    stop, peak, per_pid = threading.Event(), [0, 0], {}
     sampler = threading.Thread(target=tree_sampler, args=(proc.pid, stop, peak, per_pid), daemon=True)
     sampler.start()
     try:
@@ -132,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     sampler.join(timeout=5)
     wall = time.monotonic() - started
     largest = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024   # Linux reports KiB
-    tree = f", whole tree {peak[0] / GB:.1f} GB" if peak[0] else ""
+    tree = (f", whole tree {peak[0] / GB:.1f} GB ({peak[1] / GB:.1f} GB with shared pages counted once)"
+            if peak[0] else "")
     print(f"[{args.label}] wall clock {int(wall // 60)} min {wall % 60:04.1f} s; peak RSS: largest process "
           f"{largest / GB:.1f} GB{tree}; exit {rc}", flush=True)
     if args.max_rss_gb is not None and largest > args.max_rss_gb * GB:

@@ -25,6 +25,19 @@ def test_reports_the_largest_process_and_the_tree_and_passes_the_exit_status_thr
     assert gb(out, "whole tree") >= 0.6, out
 
 
+def test_pages_two_processes_share_count_twice_in_the_tree_and_once_proportionally():
+    """A parent touches 600 MiB and forks: both processes hold every page (copy-on-write, never
+    written again), so the summed RSS is about 1.2 GB, while the tree occupies about 0.6 GB.  They
+    live 4.5 s after the fork, so the 2-second PSS samples see them at least once."""
+    shared = ("import os, time; b = bytearray(600 << 20); b[::4096] = b'x' * len(b[::4096]); "
+              "pid = os.fork(); time.sleep(4.5); (os.waitpid(pid, 0) if pid else os._exit(0))")
+    rc, out = measure(sys.executable, "-c", shared)
+    assert rc == 0, out
+    tree = gb(out, "whole tree")
+    once = float(re.search(r"\((\d+\.\d) GB with shared pages counted once\)", out).group(1))
+    assert tree >= 1.1 and 0.55 <= once <= 0.8, out
+
+
 def test_a_small_command_is_small_and_the_budget_warns_only_above_it():
     rc, out = measure(sys.executable, "-c", "pass", extra=("--max-rss-gb", "4"))
     assert rc == 0 and gb(out, "largest process") < 0.2 and "WARNING" not in out

@@ -14,8 +14,8 @@
 #   make bench-peers  minikv vs vLLM's offline LLM, same workload and checkpoint (needs `make vllm`)
 #   make triton   install Triton (TRITON_VERSION, from PyPI) into .triton-site, outside .venv, so the
 #                 tests can run minikv's Triton kernel in Triton's interpreter (tests/test_paged_triton.py)
-#   make kernels  build minikv's C++ paged decode-attention kernel for this CPU (~20 s, once; part
-#                 of `make model`; without a C++ compiler minikv runs pure PyTorch instead)
+#   make kernels  build minikv's C++ CPU kernels for this CPU (once, one compiler per source per core:
+#                 ~34 s on 2 cores; part of `make model`; without a C++ compiler minikv runs pure PyTorch)
 #   make upgrade-deps  re-pin constraints.txt to the newest releases (a throw-away venv
 #                 installed without pins, frozen); review the diff, then `make test`
 # Installs are pinned: .venv gets exactly the versions in constraints.txt, and is

@@ -7,9 +7,9 @@ skip and the engine runs the pure-PyTorch "fused" backend (tests check that too)
 """
 from __future__ import annotations
 
-from minikv.engine import paged_cpu
+from minikv.engine import kernel_build, paged_cpu
 
-HAS_COMPILER = paged_cpu._compiler() is not None
+HAS_COMPILER = kernel_build.compiler() is not None
 if HAS_COMPILER:
-    paged_cpu.build()
+    kernel_build.build()
 KERNEL_BUILT = HAS_COMPILER and paged_cpu.available()

@@ -167,26 +167,26 @@ def test_auto_never_compiles(tmp_path):
 def test_a_changed_source_is_a_different_build(tmp_path, monkeypatch):
     """The cached library's name hashes the source (and torch, compiler, CPU): an edited kernel
     is never served by a stale build."""
-    from minikv.engine import paged_cpu
+    from minikv.engine import kernel_build as kb
 
     monkeypatch.setenv("MINIKV_HOME", str(tmp_path))
-    first = paged_cpu.library_path()
-    assert {p.name for p in paged_cpu.SOURCES} >= {"paged_attention.cpp", "pointwise.cpp"}
-    for i, source in enumerate(paged_cpu.SOURCES):  # any one edited source is a new library
+    first = kb.library_path()
+    assert {p.name for p in kb.SOURCES} >= {"paged_attention.cpp", "pointwise.cpp"}
+    for i, source in enumerate(kb.SOURCES):  # any one edited source is a new library
         edited = tmp_path / source.name
         edited.write_text(source.read_text() + "\n// edited\n")
-        monkeypatch.setattr(paged_cpu, "SOURCES", [*paged_cpu.SOURCES[:i], edited, *paged_cpu.SOURCES[i + 1:]])
-        assert paged_cpu.library_path() != first and first.parent == paged_cpu.library_path().parent
+        monkeypatch.setattr(kb, "SOURCES", [*kb.SOURCES[:i], edited, *kb.SOURCES[i + 1:]])
+        assert kb.library_path() != first and first.parent == kb.library_path().parent
         monkeypatch.undo()
         monkeypatch.setenv("MINIKV_HOME", str(tmp_path))
-    assert [p.name for p in paged_cpu.HEADERS] == ["attention_tiles.h", "cpu_vec.h"]
+    assert [p.name for p in kb.HEADERS] == ["attention_tiles.h", "cpu_vec.h"]
     edited = tmp_path / "cpu_vec.h"
-    edited.write_text(paged_cpu.HEADERS[1].read_text() + "\n// edited\n")
-    monkeypatch.setattr(paged_cpu, "HEADERS", [paged_cpu.HEADERS[0], edited])  # a header every source includes
-    assert paged_cpu.library_path() != first
+    edited.write_text(kb.HEADERS[1].read_text() + "\n// edited\n")
+    monkeypatch.setattr(kb, "HEADERS", [kb.HEADERS[0], edited])  # a header every source includes
+    assert kb.library_path() != first
     monkeypatch.undo()
     monkeypatch.setenv("MINIKV_HOME", str(tmp_path))
-    assert paged_cpu.library_path() == first
+    assert kb.library_path() == first
 
 
 def test_prune_deletes_only_builds_unused_for_the_stale_period(tmp_path):
@@ -194,36 +194,94 @@ def test_prune_deletes_only_builds_unused_for_the_stale_period(tmp_path):
     nothing has built or loaded for ``STALE_AFTER_DAYS``, and nothing else: not the build it
     keeps, not a recently loaded one (another venv's), not a build being written now, not a
     file that is not a build."""
-    from minikv.engine import paged_cpu
+    from minikv.engine import kernel_build as kb
 
     now, day = 1_000_000_000.0, 86400
-    old, recent = now - (paged_cpu.STALE_AFTER_DAYS + 1) * day, now - (paged_cpu.STALE_AFTER_DAYS - 1) * day
+    old, recent = now - (kb.STALE_AFTER_DAYS + 1) * day, now - (kb.STALE_AFTER_DAYS - 1) * day
     files = {"minikv_cpu-keep.so": old, "minikv_cpu-stale.so": old, "minikv_cpu-recent.so": recent,
              "minikv_cpu-dead.123.tmp": old, "minikv_cpu-live.456.tmp": now, "notes.txt": old}
     for name, mtime in files.items():
         (tmp_path / name).write_bytes(b"x")
         os.utime(tmp_path / name, (mtime, mtime))
-    gone = paged_cpu.prune(tmp_path, keep=tmp_path / "minikv_cpu-keep.so", now=now)
+    gone = kb.prune(tmp_path, keep=tmp_path / "minikv_cpu-keep.so", now=now)
     assert sorted(p.name for p in gone) == ["minikv_cpu-dead.123.tmp", "minikv_cpu-stale.so"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["minikv_cpu-keep.so", "minikv_cpu-live.456.tmp",
                                                           "minikv_cpu-recent.so", "notes.txt"]
 
 
-@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
-def test_a_build_prunes_stale_builds_beside_it(tmp_path, monkeypatch):
-    """``build`` runs the pruning once its own library is in place (the compiler replaced by
-    ``touch``: what is tested is the bookkeeping, not g++)."""
-    from minikv.engine import paged_cpu
+# A stand-in compiler: logs its arguments and writes its -o file.  Compiling paged_attention.cpp
+# and paged_prefill.cpp, each waits (30 s at most) until the other has started: a build that
+# compiled one source after another would time out there and fail.  $FAIL names a source it
+# refuses, with an error on stderr.
+FAKE_CXX = """#!/bin/sh
+out=""; prev=""
+for a in "$@"; do [ "$prev" = "-o" ] && out="$a"; prev="$a"; done
+echo "$*" >> "$FAKE_LOG"
+meet() { touch "$FAKE_DIR/$1"; i=0; while [ ! -e "$FAKE_DIR/$2" ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done
+         [ -e "$FAKE_DIR/$2" ] || { echo "$1 waited alone" >&2; exit 3; }; }
+case "$*" in
+  *"-c "*paged_attention.cpp*) meet a b ;;
+  *"-c "*paged_prefill.cpp*) meet b a ;;
+esac
+case "$*" in *"-c "*"$FAIL"*) [ -n "$FAIL" ] && { echo "$FAIL:7:1: error: expected ';'" >&2; exit 1; } ;; esac
+touch "$out"
+"""
 
-    monkeypatch.setenv("MINIKV_HOME", str(tmp_path))
-    monkeypatch.setattr(paged_cpu, "_command", lambda cxx, out: ["touch", str(out)])
-    folder = tmp_path / "kernels"
-    folder.mkdir()
+
+def _fake_compiler(tmp_path, monkeypatch, fail: str = ""):
+    cxx = tmp_path / "fake-g++"
+    cxx.write_text(FAKE_CXX)
+    cxx.chmod(0o755)
+    (tmp_path / "meet").mkdir()
+    for name, value in {"CXX": str(cxx), "FAKE_LOG": str(tmp_path / "log"), "FAKE_DIR": str(tmp_path / "meet"),
+                        "FAIL": fail, "MINIKV_HOME": str(tmp_path / "home")}.items():
+        monkeypatch.setenv(name, value)
+
+
+def test_a_build_compiles_every_source_at_once_links_them_and_prunes_stale_builds(tmp_path, monkeypatch):
+    """``build`` compiles each source on its own (``-c``), two at a time at least (the stand-in
+    compiler's meeting point), links every object into the library, and prunes the stale builds
+    beside it once its own is in place."""
+    from minikv.engine import kernel_build as kb
+
+    _fake_compiler(tmp_path, monkeypatch)
+    monkeypatch.setattr(kb, "jobs", lambda: 2)  # the meeting needs two at once, even on one core
+    folder = tmp_path / "home" / "kernels"
+    folder.mkdir(parents=True)
     stale = folder / "minikv_cpu-0000000000000000.so"
     stale.write_bytes(b"x")
     os.utime(stale, (1.0, 1.0))
-    path = paged_cpu.build()
+    path = kb.build()
     assert path.exists() and path.parent == folder and not stale.exists()
+    assert sorted(p.name for p in folder.iterdir()) == [path.name]  # no .tmp left beside it
+    calls = (tmp_path / "log").read_text().splitlines()
+    compiled = sorted(c.split(" -c ")[1].split()[0].rsplit("/", 1)[1] for c in calls if " -c " in c)
+    assert compiled == sorted(p.name for p in kb.SOURCES)
+    links = [c for c in calls if " -c " not in c]
+    assert len(links) == 1 and "-shared" in links[0].split()
+    assert sorted(re.findall(r"/(\w+)\.o\b", links[0])) == sorted(p.stem for p in kb.SOURCES)
+    assert all("-shared" not in c.split() for c in calls if " -c " in c)
+
+
+def test_a_failed_build_names_the_source_and_leaves_nothing_to_load(tmp_path, monkeypatch):
+    """A source that does not compile: ``RuntimeError`` naming it, with the compiler's message;
+    no library and no half-written file where ``available()`` would look."""
+    from minikv.engine import kernel_build as kb
+
+    _fake_compiler(tmp_path, monkeypatch, fail="pointwise.cpp")
+    monkeypatch.setattr(kb, "jobs", lambda: 2)
+    with pytest.raises(RuntimeError, match=r"compiling pointwise\.cpp failed \(1\):\n.*expected ';'"):
+        kb.build()
+    assert list((tmp_path / "home" / "kernels").iterdir()) == []
+    assert not kb.library_path().exists()
+
+
+def test_jobs_is_one_per_usable_core_and_at_most_one_per_source(monkeypatch):
+    from minikv.engine import kernel_build as kb
+
+    for cores, want in ((1, 1), (2, 2), (64, len(kb.SOURCES))):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        assert kb.jobs() == want
 
 
 def test_python_and_the_library_agree_on_the_head_dims():

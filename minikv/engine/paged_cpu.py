@@ -16,21 +16,11 @@ of keys, about twice SDPA's speed on the 2-core CPU); and ``kernels/skinny_linea
 (1-48 rows, fp32, AVX-512), where the matmul libraries leave most of the CPU idle.
 
 Every ``kernels/*.cpp`` is compiled into one library, so the ``paged`` backend has all of them or
-none.
-
-How it gets here, and why never mid-lesson:
-
-* :func:`build` compiles it with the system C++ compiler (``$CXX``, default ``g++``) against
-  the installed torch, for this CPU (``-march=native``), into minikv's cache
-  (``$MINIKV_HOME/kernels``).  ``make model`` (so ``make course`` and ``make test``) runs it
-  once at set-up: about 20 s.  The file name carries a hash of the source, the torch version,
-  the compiler and the CPU's feature flags, so a changed source or another machine never loads
-  a stale build.  Builds that nothing has loaded for ``STALE_AFTER_DAYS`` are deleted by the
-  next build (:func:`prune`): every minikv upgrade or torch upgrade makes a new one (~0.6 MB),
-  while a build another environment still loads is kept, since loading it marks it used.
-* :func:`available` only *loads* a build that already exists; it never compiles.  So the
-  ``auto`` backend means ``paged`` where set-up built the kernel and ``fused`` where it could
-  not (no compiler): no request, lesson or test ever waits on a compiler it did not ask for.
+none.  ``kernel_build.py`` builds it, once, at set-up (``make model`` runs this module), into a
+cache keyed by the sources, torch, the compiler and the CPU.  :func:`available` only *loads* a
+build that already exists; it never compiles.  So the ``auto`` backend means ``paged`` where
+set-up built the kernel and ``fused`` where it could not (no compiler): no request, lesson or
+test ever waits on a compiler it did not ask for.
 
 Registered with ``TORCH_LIBRARY`` as ``torch.ops.minikv.paged_decode``: a dispatcher op like
 ATen's own, so the profiler counts it as one op.
@@ -38,108 +28,16 @@ ATen's own, so the profiler counts it as one op.
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
-import shutil
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-from ..home import minikv_home
-
-SOURCES = sorted((Path(__file__).parent / "kernels").glob("*.cpp"))
-HEADERS = sorted((Path(__file__).parent / "kernels").glob("*.h"))  # what they share (cpu_vec.h)
-
-# -ffp-contract=off: a multiply and an add written apart stay apart (GCC otherwise fuses them into
-# one FMA, which rounds once instead of twice), so the kernels that promise ATen's bits (RoPE's
-# x * cos + rot * sin) keep them; the matmul and attention kernels ask for FMAs explicitly.
-CXX_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC", "-std=c++20")
-
-# A build nothing has loaded for this long is deleted by the next build (prune); a build in use
-# is touched on every load, so another venv's (another torch, another key) is never taken away.
-STALE_AFTER_DAYS = 30
-_PREFIX = "minikv_cpu-"
+from . import kernel_build
 
 _lock = threading.Lock()
 _loaded: Path | None = None
-
-
-def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CXX", "g++"))
-
-
-@functools.lru_cache(maxsize=1)
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return sys.platform
-
-
-def library_path() -> Path | None:
-    """Where the build of these sources, torch, compiler and CPU lives (``None``: no compiler)."""
-    import torch
-
-    cxx = _compiler()
-    if cxx is None:
-        return None
-    parts = [p.read_bytes() for p in SOURCES + HEADERS] + [torch.__version__.encode(), cxx.encode(), _cpu_flags().encode(),
-                                                        " ".join(CXX_FLAGS).encode()]
-    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
-    return minikv_home() / "kernels" / f"{_PREFIX}{key}.so"
-
-
-def _command(cxx: str, out: Path) -> list[str]:
-    import torch
-    from torch.utils import cpp_extension
-
-    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)  # must match how torch itself was built
-    return [cxx, *CXX_FLAGS,
-            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w",
-            *(f"-I{p}" for p in cpp_extension.include_paths()),
-            *(f"-L{p}" for p in cpp_extension.library_paths()),
-            *map(str, SOURCES), "-lc10", "-ltorch_cpu", "-ltorch", "-o", str(out)]
-
-
-def build(force: bool = False) -> Path:
-    """Compile the kernel into the cache (a no-op if this build exists); returns its path.
-    Raises ``RuntimeError`` naming the problem: no compiler, or the compiler's own errors."""
-    path = library_path()
-    if path is None:
-        raise RuntimeError(f"no C++ compiler: {os.environ.get('CXX', 'g++')!r} is not on PATH "
-                           "(install g++, or set CXX); minikv then runs the pure-PyTorch 'fused' backend")
-    if path.exists() and not force:
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")  # built aside, renamed into place: never half a file
-    proc = subprocess.run(_command(_compiler(), tmp), capture_output=True, text=True)
-    if proc.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        raise RuntimeError(f"building {', '.join(p.name for p in SOURCES)} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    os.replace(tmp, path)
-    prune(path.parent, keep=path)
-    return path
-
-
-def prune(folder: Path, keep: Path, now: float | None = None) -> list[Path]:
-    """Delete the builds in ``folder`` (and half-written ``.tmp`` files of dead builds) that have
-    not been built or loaded for ``STALE_AFTER_DAYS``, never ``keep``; returns what was deleted.
-    A deletion that fails (another process got there first) is skipped, never raised."""
-    cutoff = (time.time() if now is None else now) - STALE_AFTER_DAYS * 86400
-    gone = []
-    for f in folder.glob(f"{_PREFIX}*"):
-        try:
-            if f != keep and f.stat().st_mtime < cutoff:
-                f.unlink()
-                gone.append(f)
-        except OSError:
-            continue
-    return gone
 
 
 def available() -> bool:
@@ -148,7 +46,7 @@ def available() -> bool:
     if _loaded is not None:
         return True
     try:
-        path = library_path()
+        path = kernel_build.library_path()
     except OSError:
         return False
     if path is None or not path.exists():
@@ -288,13 +186,13 @@ def main(argv: list[str]) -> int:
     """``python -m minikv.engine.paged_cpu [--force]``: build the kernel (set-up runs this)."""
     start = time.perf_counter()
     try:
-        path = build(force="--force" in argv)
+        path = kernel_build.build(force="--force" in argv)
     except RuntimeError as e:
         print(f"[kernels] not built: {e}", file=sys.stderr)
         print("[kernels] minikv works without it: attention_backend='auto' runs 'fused'", file=sys.stderr)
         return 0 if "--strict" not in argv else 1
     available()
-    names = ', '.join(p.name for p in SOURCES)
+    names = ', '.join(p.name for p in kernel_build.SOURCES)
     print(f"[kernels] minikv CPU kernels ({names}): {path} ({time.perf_counter() - start:.1f} s)")
     return 0
 

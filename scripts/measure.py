@@ -102,7 +102,9 @@ def tree_sampler(pid: int, stop: threading.Event, peak: list[int], per_pid: dict
     """Keep ``peak[0]`` at the largest summed RSS of ``pid``'s tree, and ``per_pid`` at each
     process's own largest, sampled twice a second; ``peak[1]`` at the largest summed PSS, sampled
     every 2 s: the kernel walks a process's page tables to sum its PSS (17 ms for a 3 GB process
-    here), and at half a second that would take about 9% of a core from the suite it measures."""
+    here), and at half a second that would take about 9% of a core from the suite it measures.
+    ``peak[2]`` is the CPU time the sampling itself has used, printed with the result: what
+    measuring cost the suite."""
     if not os.path.isdir("/proc"):
         return
     pss, n = [0], 0
@@ -111,6 +113,7 @@ def tree_sampler(pid: int, stop: threading.Event, peak: list[int], per_pid: dict
         peak[0] = max(peak[0], tree_rss(pid, per_pid, pss if want_pss else None))
         if want_pss:
             peak[1] = max(peak[1], pss[0])
+        peak[2] = time.thread_time()
         n += 1
 
 
@@ -149,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("no command given (put it after --)")
     started = time.monotonic()
     proc = subprocess.Popen(cmd)
-    stop, peak, per_pid = threading.Event(), [0, 0], {}
+    stop, peak, per_pid = threading.Event(), [0, 0, 0.0], {}
     sampler = threading.Thread(target=tree_sampler, args=(proc.pid, stop, peak, per_pid), daemon=True)
     sampler.start()
     try:
@@ -163,8 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     largest = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024   # Linux reports KiB
     tree = (f", whole tree {peak[0] / GB:.1f} GB ({peak[1] / GB:.1f} GB with shared pages counted once)"
             if peak[0] else "")
+    cost = f"; sampling the tree used {peak[2]:.1f} s of CPU" if peak[0] else ""
     print(f"[{args.label}] wall clock {int(wall // 60)} min {wall % 60:04.1f} s; peak RSS: largest process "
-          f"{largest / GB:.1f} GB{tree}; exit {rc}", flush=True)
+          f"{largest / GB:.1f} GB{tree}; exit {rc}{cost}", flush=True)
     if args.max_rss_gb is not None and largest > args.max_rss_gb * GB:
         print(f"[{args.label}] WARNING: largest process over the {args.max_rss_gb:g} GB budget", flush=True)
         biggest = sorted(per_pid.items(), key=lambda kv: -kv[1])[:3]

@@ -9,6 +9,7 @@ both helpers recognise torch objects by their type names until they really need 
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from .checks import show
@@ -51,3 +52,12 @@ def resolve_device(name: str | None):
 def is_torch_dtype(value: Any) -> bool:
     """Whether ``value`` is a ``torch.dtype``, asked without importing torch."""
     return type(value).__name__ == "dtype" and type(value).__module__ == "torch"
+
+
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask where the OS has one, which a
+    container or ``taskset`` narrows; else every core), at least 1: how many compilers or
+    graders to run at once."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)

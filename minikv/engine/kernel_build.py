@@ -11,8 +11,8 @@
   request that finds no build runs the pure-PyTorch ``fused`` backend instead of waiting.
 * **How.** Each ``kernels/*.cpp`` is compiled to an object file on its own, several at once, and
   the objects are linked into one shared library.  Every source includes ATen's headers, which
-  cost most of the time: on the 2-core machine the five sources took 8.5-12.4 s each, 56.5 s
-  in one ``g++`` call, which compiles them one after another.  The library is written beside
+  cost most of the time: on the 2-core machine the five sources took 8.5-12.4 s each, 53-59 s
+  in one ``g++`` call (three runs), which compiles them one after another, and 33-34 s here.  The library is written beside
   its final name and renamed into place, so a build that fails or is interrupted never leaves
   half a file where :func:`paged_cpu.available` would load it.
 * **Clean-up.** Every minikv or torch upgrade makes a new build (~0.6 MB).  Builds that nothing
@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..home import minikv_home
+from .device import usable_cores
 
 KERNELS = Path(__file__).parent / "kernels"
 SOURCES = sorted(KERNELS.glob("*.cpp"))
@@ -93,8 +94,7 @@ def commands(cxx: str, objects: Path, out: Path) -> tuple[list[list[str]], list[
 
 def jobs() -> int:
     """How many sources to compile at once: one per core this process may use."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, min(len(SOURCES), cores))
+    return max(1, min(len(SOURCES), usable_cores()))
 
 
 def build(force: bool = False) -> Path:

@@ -51,6 +51,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..engine.device import usable_cores
 from .make_exercises import generate
 from .runner import EXERCISES, RESULT_MARK, sign
 
@@ -166,10 +167,7 @@ def grade_submission(submission: Path, timeout: float = 300.0, ids: list[str] | 
 
 
 def default_jobs() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:
-        return max(1, os.cpu_count() or 1)
+    return usable_cores()
 
 
 def grade_folder(folder: Path, out_dir: Path | None = None, timeout: float = 300.0,

@@ -3,7 +3,7 @@
 # then run `make grade` (or the check cell in the lesson).  The imports below are the ones the
 # reference solution uses.  Course maintainers: edit solutions/ex1_chained_hash.py and regenerate; never
 # edit this file by hand.
-# minikv-stub: 0f3396d0781c8024
+# minikv-stub: e1a03a20fbc43ede
 """Exercise 1 (lesson 07): a chained, domain-separated block hash.
 
 The engine names every full KV block by a *cache key*.  A hit on that key makes a request
@@ -31,7 +31,7 @@ import struct
 BLOCK_DOMAIN = "minikv/block-key/v1"
 
 # One possible wire format (you may design your own): tag (1 byte) || length (8 bytes) || payload.
-TAG_NONE, TAG_BYTES, TAG_STR, TAG_INT, TAG_SEQ = 0, 1, 2, 3, 4
+TAG_NONE, TAG_BYTES, TAG_STR, TAG_INT, TAG_SEQ, TAG_BOOL = 0, 1, 2, 3, 4, 5
 
 
 def encode_fields(*fields) -> bytes:
@@ -39,12 +39,14 @@ def encode_fields(*fields) -> bytes:
 
     Contract:
 
-    * supported values: ``None``, ``bytes``, ``str``, ``int`` and (nested) ``tuple``/``list`` of
-      those; anything else (``float``, ``dict``, ...) raises ``TypeError``;
+    * supported values: ``None``, ``bytes``, ``str``, ``int``, ``bool`` and (nested) ``tuple``/``list``
+      of those; anything else (``float``, ``dict``, ...) raises ``TypeError``;
     * *injective*: different field tuples give different bytes.  All of these must differ:
       ``(b"a", b"bc")`` vs ``(b"ab", b"c")``; ``("lora", "salt")`` vs ``("lorasalt",)``;
       ``((1, 23),)`` vs ``((12, 3),)``; ``(None,)`` vs ``(b"",)`` vs ``("",)`` vs ``(0,)`` vs ``((),)``
-      vs ``()``; ``("1",)`` vs ``(1,)``; ``(((1, 2), 3),)`` vs ``((1, (2, 3)),)``;
+      vs ``()``; ``("1",)`` vs ``(1,)``; ``(((1, 2), 3),)`` vs ``((1, (2, 3)),)``; ``(True,)`` vs ``(1,)``
+      (``bool`` is a subclass of ``int`` in Python, but a flag and a number are different keys);
+      ``("café",)`` vs ``("caf",)`` (text is encoded without loss: every character counts);
     * canonical: a list and a tuple with the same items encode the same (the engine must not
       care which container a caller used); the same input always gives the same bytes.
 

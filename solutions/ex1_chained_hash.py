@@ -25,7 +25,7 @@ import struct
 BLOCK_DOMAIN = "minikv/block-key/v1"
 
 # One possible wire format (you may design your own): tag (1 byte) || length (8 bytes) || payload.
-TAG_NONE, TAG_BYTES, TAG_STR, TAG_INT, TAG_SEQ = 0, 1, 2, 3, 4
+TAG_NONE, TAG_BYTES, TAG_STR, TAG_INT, TAG_SEQ, TAG_BOOL = 0, 1, 2, 3, 4, 5
 
 
 def encode_fields(*fields) -> bytes:
@@ -33,12 +33,14 @@ def encode_fields(*fields) -> bytes:
 
     Contract:
 
-    * supported values: ``None``, ``bytes``, ``str``, ``int`` and (nested) ``tuple``/``list`` of
-      those; anything else (``float``, ``dict``, ...) raises ``TypeError``;
+    * supported values: ``None``, ``bytes``, ``str``, ``int``, ``bool`` and (nested) ``tuple``/``list``
+      of those; anything else (``float``, ``dict``, ...) raises ``TypeError``;
     * *injective*: different field tuples give different bytes.  All of these must differ:
       ``(b"a", b"bc")`` vs ``(b"ab", b"c")``; ``("lora", "salt")`` vs ``("lorasalt",)``;
       ``((1, 23),)`` vs ``((12, 3),)``; ``(None,)`` vs ``(b"",)`` vs ``("",)`` vs ``(0,)`` vs ``((),)``
-      vs ``()``; ``("1",)`` vs ``(1,)``; ``(((1, 2), 3),)`` vs ``((1, (2, 3)),)``;
+      vs ``()``; ``("1",)`` vs ``(1,)``; ``(((1, 2), 3),)`` vs ``((1, (2, 3)),)``; ``(True,)`` vs ``(1,)``
+      (``bool`` is a subclass of ``int`` in Python, but a flag and a number are different keys);
+      ``("café",)`` vs ``("caf",)`` (text is encoded without loss: every character counts);
     * canonical: a list and a tuple with the same items encode the same (the engine must not
       care which container a caller used); the same input always gives the same bytes.
 
@@ -51,6 +53,8 @@ def encode_fields(*fields) -> bytes:
 def _encode_one(value) -> bytes:
     if value is None:
         tag, payload = TAG_NONE, b""
+    elif isinstance(value, bool):  # before int: True must not encode like 1
+        tag, payload = TAG_BOOL, bytes([value])
     elif isinstance(value, (bytes, bytearray)):
         tag, payload = TAG_BYTES, bytes(value)
     elif isinstance(value, str):

@@ -25,6 +25,7 @@ import hashlib
 import itertools
 
 from ..security.encoding import encode_fields as ref_encode_fields
+from ..security.hashing import BLOCK_DOMAIN
 from ._report import CheckFailed, call_safely, expect, grader, single_thread
 from .engines import ENGINE_SECRET, GREEDY, HitLog, tiny_llm, use_block_keys, use_key_derivation
 
@@ -153,6 +154,13 @@ TRICKY_FIELDS = [
     ((2**31,), (2**31 - 1,), "large ints"),
     ((-1,), (255,), "negative ints need a sign"),
     ((b"k" * 32, ()), ((), b"k" * 32), "field order"),
+    ((True,), (1,), "True vs 1 (bug class: bool encoded like int -- a flag and a number are different keys, "
+     "though bool is a subclass of int)"),
+    ((False,), (0,), "False vs 0 (bug class: bool encoded like int)"),
+    (((1, True),), ((1, 1),), "True vs 1 inside a sequence (bug class: bool encoded like int)"),
+    (("caf\u00e9",), ("caf",), "'café' vs 'caf' (bug class: lossy text encoding -- a character was dropped)"),
+    (("\u00e9",), ("?",), "'é' vs '?' (bug class: lossy text encoding -- a character was replaced)"),
+    (("\u00e9",), ("\u00e8",), "'é' vs 'è' (bug class: lossy text encoding -- two characters became one)"),
 ]
 
 #: (name, (parent, tokens, extra, tenant_key) a, ... b, why)
@@ -185,6 +193,8 @@ def check_encode_fields(encode_fields) -> str:
     for a, b, why in TRICKY_FIELDS:
         ea, eb = encode_fields(*a), encode_fields(*b)
         expect(ea != eb, f"encode_fields{a!r} == encode_fields{b!r} ({why})",
+               "encode text so that every character survives: errors='ignore' or 'replace', or a codec that "
+               "cannot represent a character, merges different names." if "lossy" in why else
                "prefix every field with a type tag and its length in bytes, so a decoder always knows "
                "what a field was and where it ends.")
     expect(encode_fields([1, 2, "a"]) == encode_fields((1, 2, "a")),
@@ -237,6 +247,46 @@ def check_block_hash_properties(hasher, label: str) -> None:
                "length-prefixed encode_fields before hashing.")
 
 
+#: (parent, tokens) the contract refuses with TypeError, and what is wrong with them
+BAD_FIELDS = [("not-a-key", (1, 2, 3, 4), "a str parent"), (7, (1, 2, 3, 4), "an int parent"),
+              (None, (1, True, 3, 4), "the token True (a bool)"), (None, (1, 2.0, 3, 4), "the token 2.0 (a float)"),
+              (None, (1, "2", 3, 4), "the token '2' (a str)")]
+
+
+def check_refuses_bad_fields(hasher) -> None:
+    """The contract's refusals: a parent that is not a key and a token that is not an int raise
+    TypeError, and the message names the bad value (a caller must see what it passed)."""
+    for parent, tokens, what in BAD_FIELDS:
+        _, exc = call_safely(hasher, parent, tokens, (), None)
+        expect(isinstance(exc, TypeError), f"chained_block_hash accepted {what} "
+               f"({'returned a key' if exc is None else 'raised ' + type(exc).__name__}); the contract says "
+               "TypeError (bug class: keys for values that are not block fields)",
+               "a key for a value the engine never produces hides the caller's bug, and True would key like 1: "
+               "check the types of parent and of every token before hashing.")
+        bad = parent if isinstance(parent, (str, int)) and parent is not None else next(
+            t for t in tokens if isinstance(t, bool) or not isinstance(t, int))
+        expect(any(text in str(exc) for text in (repr(bad), str(bad), type(bad).__name__)),
+               f"chained_block_hash raised TypeError for {what}, but its message {str(exc)!r} does not name the "
+               "bad value (bug class: an error that does not say what was wrong)",
+               "put the offending value (or its type) in the message.")
+
+
+def check_label_first(hasher, encode_fields) -> None:
+    """The contract puts ``BLOCK_DOMAIN`` at the START of the hashed message.  Where the layout is the
+    learner's, only layouts recognisably built with the label elsewhere are refused."""
+    for parent, tokens, extra, key in [(None, (1, 2, 3, 4), (), None), (b"p" * 32, (7, 8), ("x",), KEY_A)]:
+        got = hasher(parent, tokens, extra, key)
+        for enc in {encode_fields, ref_encode_fields}:
+            fields = enc(parent, tuple(tokens), tuple(extra), key)
+            late = {hashlib.sha256(enc(parent, tuple(tokens), tuple(extra), key, BLOCK_DOMAIN)).digest(),
+                    hashlib.sha256(fields + BLOCK_DOMAIN.encode()).digest(),
+                    hashlib.sha256(fields + enc(BLOCK_DOMAIN)).digest()}
+            expect(got not in late, "the domain label is hashed AFTER the fields, not at the start of the message "
+                   "(bug class: domain label not first)",
+                   "the contract says the message starts with the label: a reader (or a second hash built on the "
+                   "same fields) must know the message's purpose before any field.")
+
+
 @grader("a key must stand for the whole prefix, for one domain: chained, typed, domain-separated, full digest.")
 def check_chained_hash(chained_block_hash, encode_fields=None) -> str:
     """Exercise 1b: properties on direct calls, then inside a real engine against ``sha256``
@@ -248,6 +298,8 @@ def check_chained_hash(chained_block_hash, encode_fields=None) -> str:
                 expect(chained_block_hash(parent, tokens, extra, key) != hashlib.sha256(plain).digest(),
                        "the key is the plain sha256 of the encoded fields: it is not domain-separated",
                        "a domain label belongs in the hashed message, before the fields (bug class: no domain separation).")
+        check_label_first(chained_block_hash, encode_fields)
+    check_refuses_bad_fields(chained_block_hash)
     cached, log = engine_stage_hasher(chained_block_hash, "sha256")
     return (f"typed and chained; in the engine {len(WORKLOAD)} requests cached exactly what sha256 caches "
             f"({sum(cached)} tokens, 0 cross-tenant)")

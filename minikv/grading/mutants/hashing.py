@@ -53,6 +53,37 @@ def encode_json_like(*fields) -> bytes:
     return repr(fields).encode()
 
 
+def _encode_typed(value, text_codec=("utf-8", "surrogatepass"), bool_tag=True) -> bytes:
+    """tag || length || payload, recursively: a correct encoding, but for the two knobs the mutants turn."""
+    if value is None:
+        tag, payload = 0, b""
+    elif isinstance(value, bool) and bool_tag:
+        tag, payload = 5, bytes([value])
+    elif isinstance(value, bytes):
+        tag, payload = 1, value
+    elif isinstance(value, str):
+        tag, payload = 2, value.encode(*text_codec)
+    elif isinstance(value, int):
+        tag, payload = 3, int(value).to_bytes((int(value).bit_length() + 8) // 8, "big", signed=True)
+    elif isinstance(value, (tuple, list)):
+        tag, payload = 4, b"".join(_encode_typed(v, text_codec, bool_tag) for v in value)
+    else:
+        raise TypeError(f"cannot encode a {type(value).__name__}")
+    return struct.pack(">BQ", tag, len(payload)) + payload
+
+
+def encode_ascii_ignore(*fields) -> bytes:
+    """Typed and length-prefixed, but text goes through ``encode('ascii', 'ignore')``: 'café' and 'caf'
+    become one name."""
+    return b"".join(_encode_typed(f, ("ascii", "ignore")) for f in fields)
+
+
+def encode_bool_as_int(*fields) -> bytes:
+    """Typed and length-prefixed, but ``True`` takes the int path (bool is a subclass of int): a flag and
+    the number 1 get one key."""
+    return b"".join(_encode_typed(f, bool_tag=False) for f in fields)
+
+
 # ============================================================================ 1b chained hash
 
 _DOMAIN = BLOCK_DOMAIN
@@ -87,12 +118,26 @@ def hash_truncated(parent, tokens, extra, tenant_key) -> bytes:
     return hashlib.sha256(_typed(_DOMAIN, parent, tuple(tokens), tuple(extra), tenant_key)).digest()[:16]
 
 
+def hash_label_last(parent, tokens, extra, tenant_key) -> bytes:
+    """Typed, chained, full digest, but the domain label is hashed after the fields: the contract puts it
+    first."""
+    return hashlib.sha256(_typed(parent, tuple(tokens), tuple(extra), tenant_key, _DOMAIN)).digest()
+
+
+def hash_no_type_checks(parent, tokens, extra, tenant_key) -> bytes:
+    """Right key for right input, but a str parent or the token True gets a key too (True keys like 1 once
+    the tokens are packed as ints): the contract's TypeError never comes."""
+    return hashlib.sha256(_typed(_DOMAIN, parent, tuple(int(t) for t in tokens), tuple(extra), tenant_key)).digest()
+
+
 MUTANTS = {
     "1a": entries(("untyped", encode_untyped), ("no-length", encode_no_length), ("repr", encode_json_like),
-                  ("typed-separator", encode_typed_separator)),
+                  ("typed-separator", encode_typed_separator), ("ascii-ignore", encode_ascii_ignore),
+                  ("bool-as-int", encode_bool_as_int)),
     "1b": entries(("untyped-concat", hash_untyped_concat), ("unchained", hash_unchained),
                   ("packed-no-boundaries", hash_packed_no_boundaries), ("ignores-tenant", hash_ignores_tenant),
-                  ("truncated", hash_truncated)),
+                  ("truncated", hash_truncated), ("label-last", hash_label_last),
+                  ("no-type-checks", hash_no_type_checks)),
 }
 
 
@@ -102,4 +147,6 @@ DIAGNOSES = {
     ("1b", "untyped-concat"): "without separators are ambiguous", ("1b", "unchained"): "unchained key",
     ("1b", "packed-no-boundaries"): "need length prefixes", ("1b", "ignores-tenant"): "tenant key never reaches the hash",
     ("1b", "truncated"): "truncated key",
+    ("1a", "ascii-ignore"): "lossy text encoding", ("1a", "bool-as-int"): "bool encoded like int",
+    ("1b", "label-last"): "domain label not first", ("1b", "no-type-checks"): "keys for values that are not block fields",
 }

@@ -144,7 +144,7 @@ LESSON03 = REPO / "course" / "03_prefix_sharing.ipynb"
 TINY_CELL = ("import warnings\nfrom minikv import LLM, UnsafeSettingWarning\n"
              "warnings.simplefilter('ignore', UnsafeSettingWarning)\n"
              "tiny = LLM('tiny-random', num_blocks=256, block_size=8, enable_prefix_caching=True,\n"
-             "           max_cached_blocks_per_tenant='unlimited')")
+             "           max_cached_blocks_per_tenant='unlimited', attention_backend='reference')")
 
 
 def _wait_text(page, sel: str, pattern: str, timeout: int = 60_000) -> str:
@@ -184,7 +184,17 @@ def test_lesson03_whatif_and_oracle_game_in_jupyterlab(tmp_path):
         after = _wait_text(page, summary, r"isolation=tenant ")
         assert "cross-tenant hits=0 " in after, after
         assert re.search(r"same-tenant hits=[1-9]", after), after   # isolation keeps own hits
+        # the whole summary, its hit counts included, is inside the page: nothing cut off at the right
+        fits = page.evaluate(
+            "(sel) => { const e = document.querySelector(sel), r = e.getBoundingClientRect();"
+            " return [r.right, window.innerWidth, e.scrollWidth, e.clientWidth]; }", summary)
+        assert fits[0] <= fits[1] and fits[2] <= fits[3], f"what-if summary overflows: {fits}"
+        page.locator(summary).scroll_into_view_if_needed()
+        page.screenshot(path=str(SCREENSHOT.with_name("lesson03-whatif.png")))
 
+        # before any guess the oracle game shows no picture (an empty image is a broken-image icon)
+        page.locator(".minikv-oracle-summary").wait_for(timeout=RUN_TIMEOUT_MS)
+        assert not page.locator(".minikv-oracle-image").is_visible()
         guess = page.locator(".minikv-oracle-guess input")
         guess.scroll_into_view_if_needed()
         guess.fill(SECRET)
@@ -193,5 +203,8 @@ def test_lesson03_whatif_and_oracle_game_in_jupyterlab(tmp_path):
         m = re.search(r"cached_tokens shared=(\d+) isolated=(\d+)", said)
         assert m and int(m.group(1)) > 0 and int(m.group(2)) == 0, said
         assert SECRET in said
+        page.locator(".minikv-oracle-image").wait_for(state="visible", timeout=20_000)
+        page.locator(".minikv-oracle-image").scroll_into_view_if_needed()
+        page.screenshot(path=str(SCREENSHOT.with_name("lesson03-oracle.png")))
         print(f"[browser] what-if: {after}\n[browser] oracle: {said}")
     print(f"[browser] lesson 03 widgets done in {time.monotonic() - t0:.0f} s")

@@ -11,6 +11,13 @@ from minikv.viz.oracle_game import SECRET, OracleGame, play_guess
 from minikv.viz.whatif import Scenario, WhatIf, run_whatif
 
 
+def shown_text(html_widget) -> str:
+    """The text an HTML widget shows, its lines joined by " | " (as ``summary()`` joins them)."""
+    import html
+    import re
+    return " | ".join(html.unescape(t) for t in re.findall(r"<div[^>]*>(.*?)</div>", html_widget.value))
+
+
 @pytest.fixture(scope="module")
 def llm(tiny_path):
     from minikv import LLM
@@ -36,12 +43,12 @@ def test_shared_has_cross_tenant_hits_tenant_has_none(llm):
 
 def test_widget_switches_isolation_both_ways(llm):
     wi = WhatIf(llm, Scenario(cache_isolation="shared"))
-    assert wi.result.cross_tenant_hits > 0 and wi.summary.value == wi.result.summary()
+    assert wi.result.cross_tenant_hits > 0 and shown_text(wi.summary) == wi.result.summary()
     first_png = wi.image.value
     wi.isolation.value = "tenant"                              # what the dropdown does
     assert wi.result.scenario.cache_isolation == "tenant"
     assert wi.result.cross_tenant_hits == 0 and wi.result.same_tenant_hits > 0
-    assert wi.summary.value == wi.result.summary() and wi.image.value != first_png
+    assert shown_text(wi.summary) == wi.result.summary() and wi.image.value != first_png
     wi.isolation.value = "shared"                              # and back again
     assert wi.result.cross_tenant_hits > 0
 
@@ -70,7 +77,7 @@ def test_every_quota_choice_reaches_the_engine(llm):
     for q in ("default", 2, "unlimited"):                      # "default" is None in EngineConfig
         wi.quota.value = q
         assert wi.quota.value == q and wi.result.scenario.max_cached_blocks_per_tenant == q
-        assert f"quota={q} " in wi.summary.value
+        assert f"quota={q} " in shown_text(wi.summary)
         rates[q] = wi.result.same_tenant_hits
     assert rates[2] < rates["default"] < rates["unlimited"]    # 64-block pool: default quota is 8
 
@@ -93,8 +100,25 @@ def test_oracle_game_correct_partial_and_wrong_guess(llm):
         play_guess(llm, "")
 
 
+def test_oracle_game_times_every_repeat(llm):
+    res = play_guess(llm, SECRET, repeats=3)
+    assert len(res.shared_ttft_s) == len(res.isolated_ttft_s) == 3
+    assert all(t > 0 for t in res.shared_ttft_s + res.isolated_ttft_s)
+    assert "over 3 repeats" in res.timing() and "quartiles" in res.timing() and res.ttft_ratio() > 0
+    with pytest.raises(ValueError, match="repeats"):
+        play_guess(llm, SECRET, repeats=0)
+
+
 def test_oracle_widget_plays_on_enter(llm):
     game = OracleGame(llm)
+    assert game.image.layout.display == "none"                  # no picture yet: no broken-image icon
     game.guess.value = SECRET                                   # what typing + Enter does
-    assert game.result.guess == SECRET and game.summary.value == game.result.summary()
+    assert game.result.guess == SECRET and shown_text(game.summary) == game.result.summary()
     assert "isolated=0" in game.summary.value and game.image.value
+    assert game.image.layout.display != "none" and shown_text(game.timing) == game.result.timing()
+
+
+def test_summaries_wrap():
+    from minikv.viz.whatif import lines_html
+    out = lines_html("a <b> & c", "d")
+    assert out.count("<div") == 2 and "white-space: normal" in out and "&lt;b&gt; &amp; c" in out

@@ -14,13 +14,13 @@ from minikv.viz.draw import draw_frames_strip, draw_pool, figure_to_png
 from minikv.viz.layout import (OKABE_ITO, TENANT_PALETTE, Cell, LegendEntry, PoolLayout,
                                assign_tenant_colors, layout_pool)
 from minikv.viz.plots import (plot_bars, plot_granularity_sweep, plot_hit_rate_vs_tenants,
-                              plot_roc, plot_ttft_distributions, roc_curve)
+                              plot_roc, plot_timing_strip, plot_ttft_distributions, roc_curve)
 
 __all__ = [
     "OKABE_ITO", "TENANT_PALETTE", "Cell", "LegendEntry", "PoolLayout", "assign_tenant_colors",
     "layout_pool", "draw_pool", "draw_frames_strip", "figure_to_png", "PoolExplorer",
     "render_png", "plot_ttft_distributions", "plot_roc", "roc_curve",
-    "plot_hit_rate_vs_tenants", "plot_bars", "plot_granularity_sweep",
+    "plot_hit_rate_vs_tenants", "plot_bars", "plot_granularity_sweep", "plot_timing_strip",
 ]
 
 

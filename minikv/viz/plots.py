@@ -186,6 +186,38 @@ def plot_bars(labels: Sequence[str], values: Sequence[float], ax: Axes | None = 
     return ax.figure
 
 
+def plot_timing_strip(groups: Mapping[str, Sequence[float]], ax: Axes | None = None,
+                      title: str | None = None, ylabel: str = "TTFT (ms)",
+                      colors: Sequence[str] | None = None, log: bool = False) -> Figure:
+    """Every repeat of every arm as a dot, over a box of its quartiles, median printed above.
+
+    A timing comparison is a comparison of distributions: one pair of bars cannot tell a gap from
+    noise, and the dots and boxes show both.  ``groups`` maps an arm's label to its values (in the
+    unit ``ylabel`` names); dots are spread evenly across each box, so the picture is the same on
+    every call.
+    """
+    data = {label: _as_array(values, label) for label, values in groups.items()}
+    ax = _axes(ax, (max(4.0, 1.2 * len(data) + 1.5), 3.5))
+    colors = list(colors) if colors else list(SERIES_COLORS)
+    for i, (label, values) in enumerate(data.items()):
+        color = colors[i % len(colors)]
+        ax.boxplot(values, positions=[i], widths=0.5, showfliers=False, medianprops=dict(color="black"),
+                   boxprops=dict(color=color), whiskerprops=dict(color=color), capprops=dict(color=color))
+        spread = np.linspace(-0.18, 0.18, values.size) if values.size > 1 else np.zeros(1)
+        ax.scatter(i + spread, values, s=14, color=color, alpha=0.8, zorder=3)
+        ax.annotate(f"median {np.median(values):.3g}", (i, float(values.max())), xytext=(0, 4),
+                    textcoords="offset points", ha="center", fontsize=8)
+    ax.set_xticks(range(len(data)), [f"{label}\n(n={v.size})" for label, v in data.items()])
+    if log:
+        ax.set_yscale("log")
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
+    ax.margins(y=0.12)
+    _tidy(ax)
+    return ax.figure
+
+
 def plot_granularity_sweep(block_sizes: Sequence[int], probes_per_token: Sequence[float],
                            ax: Axes | None = None,
                            title: str = "Cost of a prompt-stealing attack vs block size",

@@ -26,6 +26,7 @@ on a laptop CPU); pass a lesson's loaded ``LLM`` to drive SmolLM2 instead.
 """
 from __future__ import annotations
 
+import html
 from dataclasses import dataclass, field
 
 from minikv.engine.config import CACHE_ISOLATION, SCRUB_POLICIES
@@ -76,10 +77,22 @@ class WhatIfResult:
     def hit_rate(self, tenant: str) -> float:
         return self.cached[tenant] / self.prompt[tenant] if self.prompt.get(tenant) else 0.0
 
-    def summary(self) -> str:
+    def summary_parts(self) -> tuple[str, str, str]:
+        """The settings, the hit rates, the hit counts: :meth:`summary` joins them with ``|``."""
         rates = " ".join(f"{t}={100 * self.hit_rate(t):.0f}%" for t in self.prompt)
-        return (f"{self.scenario.label()} | hit rate {rates} | same-tenant hits={self.same_tenant_hits} "
-                f"cross-tenant hits={self.cross_tenant_hits} public hits={self.public_hits}")
+        return (self.scenario.label(), f"hit rate {rates}",
+                f"same-tenant hits={self.same_tenant_hits} cross-tenant hits={self.cross_tenant_hits} "
+                f"public hits={self.public_hits}")
+
+    def summary(self) -> str:
+        return " | ".join(self.summary_parts())
+
+
+def lines_html(*lines: str) -> str:
+    """Text for an ``ipywidgets.HTML`` that wraps: one ``<div>`` per line.  A ``Label`` never
+    wraps (its CSS is ``white-space: nowrap``): a long summary would run past the right edge."""
+    return "".join(f'<div style="white-space: normal; overflow-wrap: anywhere; line-height: 1.4">'
+                   f"{html.escape(line)}</div>" for line in lines)
 
 
 def _system_ids(tok) -> list[int]:
@@ -149,7 +162,8 @@ def draw_whatif(res: WhatIfResult):
 
 
 class WhatIf:
-    """The widget: five controls, a summary label (CSS class ``minikv-whatif-summary``) and a
+    """The widget: five controls, a summary (CSS class ``minikv-whatif-summary``: settings, hit
+    rates and hit counts on lines of their own, so the counts stay in view at any width) and a
     picture.  ``whatif.isolation.value = "tenant"`` re-runs and redraws, exactly as a click does;
     ``whatif.result`` is the latest :class:`WhatIfResult`."""
 
@@ -168,7 +182,7 @@ class WhatIf:
         for c in (self.isolation, self.block_size, self.scrub, self.quota):
             c.style.description_width = "110px"
         self.isolation.add_class("minikv-whatif-isolation")
-        self.summary = w.Label(layout=w.Layout(width="auto"))
+        self.summary = w.HTML(layout=w.Layout(width="auto"))  # three wrapping lines: see lines_html
         self.summary.add_class(SUMMARY_CLASS)
         self.image = w.Image(format="png")
         self.widget = w.VBox([w.HBox([self.isolation, self.block_size, self.scrub]),
@@ -189,7 +203,7 @@ class WhatIf:
     def refresh(self) -> WhatIfResult:
         """Re-run the workload with the controls' settings and redraw."""
         self.result = run_whatif(self.llm, self.scenario)
-        self.summary.value = self.result.summary()
+        self.summary.value = lines_html(*self.result.summary_parts())
         self.image.value = figure_to_png(draw_whatif(self.result), dpi=self.dpi)
         return self.result
 

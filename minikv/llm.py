@@ -8,7 +8,7 @@
 batches them continuously.  ``llm.engine`` is the step-by-step API for lessons and servers.
 
 This module is the *composition root*: the engine (``minikv.engine``) is handed its weights and
-its audit trail, and never imports where they come from.  :func:`build_engine` is the one place
+its audit trail and its KV tiers, and never imports where they come from.  :func:`build_engine` is the one place
 that resolves a model name to a checkpoint (``minikv.models.hub``), loads it
 (``minikv.engine.loader``) and gives the engine a way to open its trail (:func:`open_trail`,
 ``minikv.audit.trail``).  See "Layers" in docs/ARCHITECTURE.md.
@@ -29,6 +29,7 @@ from .engine.loader import load_model, resolve_dtype
 from .engine.outputs import RequestOutput
 from .engine.sampling import SamplingParams
 from .models.hub import resolve_model
+from .tiers import attach_tiers, parse_tiers
 
 
 def open_trail(config: EngineConfig, operator_key: bytes) -> AuditTrail | None:
@@ -76,10 +77,12 @@ def clear_weights_cache() -> None:
 
 
 def build_engine(config: EngineConfig) -> LLMEngine:
-    """An :class:`LLMEngine` for ``config``: model name -> checkpoint -> weights, plus the trail."""
+    """An :class:`LLMEngine` for ``config``: model name -> checkpoint -> weights, plus the trail
+    and the KV tiers (``minikv.tiers``, attached below its block manager)."""
     device = resolve_device(config.device)  # a missing device fails here, before the weights load
+    parse_tiers(config.kv_tiers)  # likewise a bad tier spec (checked, not connected)
     weights = shared_weights(resolve_model(config.model), resolve_dtype(config.dtype, device), device)
-    return LLMEngine(config, weights=weights, open_trail=open_trail)
+    return LLMEngine(config, weights=weights, open_trail=open_trail, attach=(attach_tiers,))
 
 
 def _as_prompt_list(prompts) -> list:

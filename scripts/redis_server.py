@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Start, stop and locate the project's private Redis (the KV tier of ``minikv.engine.tier_redis``).
+"""Start, stop and locate the project's private Redis (the KV tier of ``minikv.tiers.redis_tier``).
 
     python scripts/redis_server.py start [--port 6390]   # waits for PING, writes the PID file
     python scripts/redis_server.py status                # prints the URL, exit 1 if not up

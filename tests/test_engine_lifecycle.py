@@ -21,7 +21,7 @@ def test_the_table_names_every_transition_once():
     out_of_free = {t for t, e in LIFECYCLE.items() if State.FREE in e.source}
     assert into_free == {Transition.FREE, Transition.EVICT}
     # An onload (KV tiers) leaves the free list too, without on_alloc: it overwrites every slot of the
-    # block with verified K/V (tier_link.load), so nothing of the last owner survives to be scrubbed.
+    # block with verified K/V (minikv.tiers.link: TierLink.load), so nothing of the last owner survives to be scrubbed.
     assert out_of_free == {Transition.ALLOCATE, Transition.ONLOAD}
     # the two required hooks guard the free list; every other transition has an optional hook
     assert {LIFECYCLE[t].hook for t in into_free | {Transition.ALLOCATE}} == {"on_free", "on_alloc"}

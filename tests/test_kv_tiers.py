@@ -16,7 +16,7 @@ import torch
 
 from minikv import LLM, SamplingParams, UnsafeSettingWarning
 from minikv.engine.args import add_engine_arguments, engine_kwargs_from_args
-from minikv.engine.kv_tiers import HostTier, make_tier
+from minikv.tiers import HostTier, make_tier
 from minikv.engine.lifecycle import LIFECYCLE, Transition
 from minikv.security.scrub import ScrubOnAlloc
 from minikv.security.sealing import SealError, Sealer, binding, tier_key, tier_space
@@ -47,7 +47,7 @@ def evict_victim(llm, tenant="a"):
 def test_no_tier_by_default_is_todays_engine():
     llm = LLM("tiny-random", device="cpu", num_blocks=12, block_size=4, enable_prefix_caching=True,
               max_cached_blocks_per_tenant=12)
-    assert llm.engine.tiers is None and llm.engine.block_manager.tier is None
+    assert llm.engine.tiers is None and type(llm.engine.block_manager.kv_connector).__name__ == "NoConnector"
     llm.generate([VICTIM], P, tenant="a")
     llm.generate([FLOOD], P, tenant="flood")
     assert llm.generate([VICTIM], P, tenant="a")[0].num_cached_tokens == 0  # evicted is gone

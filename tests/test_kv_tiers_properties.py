@@ -6,7 +6,7 @@ as two ``minikv serve --kv-tier host --kv-tier redis://...`` processes share one
 are small (8 to 14 four-token blocks), so blocks are evicted, offloaded into the host tier and
 onloaded back; a ``restart`` replaces an instance by a fresh engine (empty pool, empty host tier,
 in-flight requests lost) over the same store.  The default store is an in-process
-:class:`~minikv.engine.kv_tiers.HostTier` written on ``store`` like the Redis tier; the
+:class:`~minikv.tiers.HostTier` written on ``store`` like the Redis tier; the
 redis-marked variant uses a real Redis.
 
 Who wrote what is read from the tiers' own records (each tier is wrapped by :class:`Recorded`,
@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 
 from minikv import LLM, SamplingParams, UnsafeSettingWarning
 from minikv.audit.trail import AuditTrail
-from minikv.engine.kv_tiers import HostTier
+from minikv.tiers import HostTier
 from minikv.engine.lifecycle import Transition
 from minikv.security.sealing import Sealer
 from tests.engine_helpers import compare_with_ties
@@ -130,7 +130,7 @@ class Fleet:
             if transition != Transition.ONLOAD:
                 return
             for bid in ids:
-                key = bm.blocks[bid].tier_key[0]
+                key = link.keys[bid][0]
                 _, tier, writer = next(s for s in reversed(self.served) if s[0] == key)
                 assert writer is not None, "a tier served a value nobody recorded writing"
                 tenant, where = writer
@@ -277,7 +277,7 @@ def test_unsafe_content_keys_fail_the_property():
 def test_no_cross_tenant_tier_hit_on_a_real_redis(redis_base):
     """The safe property with a real Redis as the shared store (fewer examples: each one starts from
     an empty database); and the UNSAFE content keys fail it there too."""
-    from minikv.engine.tier_redis import RedisTier
+    from minikv.tiers.redis_tier import RedisTier
     from redis_helpers import fresh_db
     url = f"{redis_base}/{REDIS_DB}"
     client = fresh_db(redis_base, REDIS_DB)

@@ -23,7 +23,7 @@ PACKAGE = ROOT / "minikv"
 LAYERS = (
     ("minikv._lazy", "minikv.home", "minikv.security"),  # primitives: no minikv imports but these
     ("minikv.engine", "minikv.models"),             # the engine; where checkpoints come from
-    ("minikv.audit.trail",),                        # the recorder the engine is handed
+    ("minikv.audit.trail", "minikv.tiers"),         # the recorder the engine is handed; KV tiers below its pool
     ("minikv.llm",),                                # the front door: composes the three above
     ("minikv.audit", "minikv.serve", "minikv.attacks"),  # tools that drive or read an engine
     ("minikv.viz", "minikv.edge", "minikv.grading", "minikv.gateway"),  # built on those tools
@@ -125,6 +125,8 @@ def test_the_engine_imports_neither_audit_nor_serve_nor_the_model_hub():
 @pytest.mark.parametrize("module,source,culprit", [
     ("minikv.engine.engine", "def f():\n    from ..audit.trail import AuditTrail\n", "line 2 imports minikv.audit.trail"),
     ("minikv.engine.engine", "from ..models.hub import resolve_model\n", "line 1 imports minikv.models.hub"),
+    ("minikv.engine.block_manager", "from ..tiers.link import TierLink\n", "line 1 imports minikv.tiers.link"),
+    ("minikv.tiers.link", "from ..audit.trail import AuditTrail\n", "line 1 imports minikv.audit.trail"),
     ("minikv.audit.isolation_cli", "from ..serve.cli import add_engine_arguments\n", "line 1 imports minikv.serve.cli"),
     ("minikv.security.hashing", "import minikv.engine.block_manager\n", "line 1 imports minikv.engine.block_manager"),
     ("minikv.audit.trail", "from ..llm import LLM\n", "line 1 imports minikv.llm"),

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from .config import ATTENTION_BACKENDS, CACHE_ISOLATION, DTYPES, HASH_ALGOS
-from .kv_tiers import TIER_KEYS
+from .config import ATTENTION_BACKENDS, CACHE_ISOLATION, DTYPES, HASH_ALGOS, TIER_KEYS
 from .config import SCRUB_POLICIES as SCRUB
 from .config import SHARING_STRATEGIES
 _VERIFY = {"true": "IDENTITY", "false": "NOTHING", "tokens": "TOKENS"}  # --verify-hits -> VerifyHits

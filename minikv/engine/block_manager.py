@@ -38,14 +38,14 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from .invariants import check_block_manager
 from .lifecycle import BlockIdentity, Transition, VerifyHits
 from .prefix_index import ALL_TENANTS, PrefixIndex
 from .sequence import Sequence
 
-__all__ = ["ALL_TENANTS", "Block", "BlockManager"]  # ALL_TENANTS is prefix_index's, re-exported
+__all__ = ["ALL_TENANTS", "Block", "BlockManager", "Found", "NoConnector"]  # ALL_TENANTS: prefix_index's
 
 
 @dataclass(eq=False)
@@ -59,12 +59,38 @@ class Block:
     writer_request: str | None = None
     writer_tenant: str | None = None
     public: bool = False
-    tier_key: tuple | None = None  # (tier key, tokens, domain) while registered with KV tiers on
 
     @property
     def ref(self) -> tuple[int, int]:
         """This block as a parent: a recycled block (new generation) is a different parent."""
         return (self.block_id, self.generation)
+
+
+class Found(NamedTuple):
+    """What a connector found for a pool miss: ``data`` (its own, handed back to its ``load``) and
+    the tenant who wrote the block, as this engine should record it (the trail's writer)."""
+    data: object
+    writer_tenant: str | None
+
+
+class NoConnector:
+    """The KV connector of a pool that is the whole cache: below it there is nothing.
+
+    A connector (vLLM's name for what moves KV blocks between the pool and elsewhere: host memory,
+    a shared store) is the block manager's one hook below the pool.  ``offload`` runs just before
+    a request's need evicts a cached block (True: its K/V were kept below, the ``offload``
+    transition); ``fetch`` is asked on a pool miss at admission (a :class:`Found`, or None);
+    ``load`` then copies what it found into the free block chosen for it, every slot.  KV tiers
+    (:mod:`minikv.tiers`) are one; the composition root attaches it."""
+
+    def offload(self, block: Block, seq: Sequence) -> bool:
+        return False
+
+    def fetch(self, seq: Sequence, i: int) -> Found | None:
+        return None
+
+    def load(self, block_id: int, found: Found) -> None:
+        raise AssertionError("NoConnector.fetch finds nothing, so nothing is ever loaded")
 
 
 class BlockManager(PrefixIndex):
@@ -79,7 +105,7 @@ class BlockManager(PrefixIndex):
         self.free_ids: deque[int] = deque(range(num_blocks))
         self._init_index(hasher, enable_caching, chain_hashes, verify_hits, max_cached_per_tenant)
         self.listeners: list[Callable] = []
-        self.tier = None  # a tier_link.TierLink when KV tiers are on: offload on evict, onload on miss
+        self.kv_connector = NoConnector()  # below the pool: offload on evict, fetch on a miss
         self.num_deduplicated = 0  # duplicate blocks freed by commit (their twin was adopted)
         # Tokens touched: "hashed" (block_hash), "verified" (hit checks), "committed" (commit).
         self.work: Counter = Counter()
@@ -108,20 +134,19 @@ class BlockManager(PrefixIndex):
     def allocate(self, seq: Sequence) -> bool:
         """Give a waiting ``seq`` the blocks for all its tokens, reusing prefix hits.
         Returns False (and changes nothing) when the pool cannot hold it."""
-        # The pool is asked first, the tiers only once admission is certain.  Onloading before
-        # the check (as lookup() does) moved blocks for a request that was then refused; the
-        # scheduler retried it later, the running requests' decodes had evicted those blocks in
-        # between, and the retry onloaded them again: the trail's tier_hit outgrew its hit (10 > 4)
-        # and tier_tokens counted blocks nobody used.  Checking first changes no decision: an
+        # The pool is asked first, the connector only once admission is certain.  Onloading
+        # before the check (as lookup() does) would move blocks for a request that is then
+        # refused; a retry, after running decodes evicted them again, would onload them twice,
+        # and the trail would count onloads nobody used.  Checking first changes no decision: an
         # onload spends one available block and leaves one fewer to allocate (_onload), so it
-        # never turns a refusal into an admission (nor the reverse); a refused request now moves
-        # and counts nothing, and each tier hit is a block the admitted request uses, counted once.
+        # never turns a refusal into an admission (nor the reverse); a refused request moves and
+        # counts nothing, and each onload is a block the admitted request uses, counted once.
         hits: list[int] = []
         pool_miss = self._match(seq, hits, onload=False)
         num_needed = -(-seq.num_tokens // self.block_size)
         if not self.can_allocate(num_needed - len(hits), hits):
             return False
-        if pool_miss and self.tier is not None:
+        if pool_miss:
             self._match(seq, hits, onload=True, resume=True)
         for bid in hits:
             self._hold(self.blocks[bid], seq)
@@ -248,28 +273,27 @@ class BlockManager(PrefixIndex):
         self.emit(Transition.CACHE, cached, seq)
         self._enforce_quota(seq.tenant, seq)
 
-    # ---------------------------------------------------------------- KV tiers
+    # ---------------------------------------------------------------- below the pool
     def _onload(self, seq: Sequence, i: int, hits: list[int]) -> int | None:
-        """On a pool miss of ``seq``'s block ``i``: bring it back from a KV tier into a free block,
-        registered and cached as if computed here (the ``onload`` transition); None if no tier has a
-        value that verifies, or no block can take it without evicting one of ``hits``.  Allocation
+        """On a pool miss of ``seq``'s block ``i``: bring it in from the connector into a free
+        block, registered and cached as if computed here (the ``onload`` transition); None if the
+        connector has nothing, or no block can take it without evicting one of ``hits``.  Allocation
         stays feasible exactly when it was: one available block is spent, one fewer is needed."""
-        got = self.tier.fetch(seq, i)
-        if got is None:
+        found = self.kv_connector.fetch(seq, i)
+        if found is None:
             return None
-        payload, tier_key, _ = got
         bid = self._onload_slot(seq, hits)
         if bid is None:
             return None
         block = self.blocks[bid]
         block.generation += 1
-        block.writer_request, block.writer_tenant, block.num_tokens = seq.request_id, seq.tenant, self.block_size
-        self.tier.load(bid, payload)  # every slot overwritten: nothing of the block's last owner is left
+        block.writer_request, block.writer_tenant = seq.request_id, found.writer_tenant
+        block.num_tokens = self.block_size
+        self.kv_connector.load(bid, found)  # every slot overwritten: nothing of the last owner is left
         parent = self.blocks[hits[-1]].ref if hits else None
         self._register(block, self.block_hash(seq, i), self.identity(seq, i, parent),
                        seq.block_is_public(i, self.block_size))
-        block.tier_key = tier_key
-        self.cached.add(bid, seq.tenant)
+        self.cached.add(bid, block.writer_tenant)
         seq.num_tier_blocks += 1
         self.emit(Transition.ONLOAD, [bid], seq)
         return bid

@@ -25,7 +25,6 @@ from .checks import as_int, as_real, as_seed, check_bool, show
 # The device checks live in device.py; DEVICE_TYPES and resolve_device stay importable from here.
 from .device import DEVICE_TYPES, check_device, is_torch_dtype, resolve_device  # noqa: F401
 from .lifecycle import VerifyHits
-from .kv_tiers import TIER_KEYS, parse_tiers
 from .sharing import STRATEGIES as SHARING_STRATEGIES
 
 CACHE_ISOLATION = ("shared", "tenant", "request", "selective")
@@ -36,6 +35,18 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 AUDIT_LEVELS = ("request", "block")  # = minikv.audit.trail.LEVELS (not imported: the engine stays audit-free)
 UNLIMITED = "unlimited"  # max_cached_blocks_per_tenant: no quota (UNSAFE; lessons on prime-and-probe)
 QUOTA_SHARE = 8  # default quota: 1/QUOTA_SHARE of the pool per tenant (see cache_quota)
+#: ``kv_tier_keys``: "tenant" (the pool's tenant-keyed hash) or UNSAFE "content" (the salt dropped
+#: at the tier boundary: LMCache #4825's ``cache_salt=''``)
+TIER_KEYS = ("tenant", "content")
+
+
+def _tier_entries(specs) -> tuple:
+    """``kv_tiers`` as a tuple.  Each entry (a spec string or a tier object) is checked by
+    :mod:`minikv.tiers` (``parse_tiers``), which the engine does not import: ``minikv.LLM``
+    checks them before the weights load, and attaching the tiers checks them again."""
+    if specs is None:
+        return ()
+    return tuple(specs) if isinstance(specs, (list, tuple)) else (specs,)
 
 
 class UnsafeSettingWarning(UserWarning):
@@ -114,7 +125,7 @@ class EngineConfig:
         audit_log: path of the operator's JSONL audit trail, or None.
         audit_level: ``"request"`` (one summary line per request) or ``"block"`` (one line per
             block event, for tracing); see docs/ARCHITECTURE.md, "Audit trail".
-        kv_tiers: KV tiers below the pool, in lookup order (``minikv.engine.kv_tiers``): specs such
+        kv_tiers: KV tiers below the pool, in lookup order (``minikv.tiers``): specs such
             as ``"host"`` (bounded, in-process; the pool's LRU evicts into it) and
             ``"redis://127.0.0.1:6390/0"`` (shared by instances; TTL, per-tenant byte budget).
             Empty (default): no tier, the pool is the whole cache.  Instances sharing a store
@@ -211,7 +222,7 @@ class EngineConfig:
         if self.scrubber is not None and not all(callable(getattr(self.scrubber, m, None))
                                                  for m in ("on_free", "on_alloc")):
             raise TypeError(f"scrubber must have on_free and on_alloc methods, got {type(self.scrubber).__name__}")
-        self.kv_tiers = parse_tiers(self.kv_tiers)
+        self.kv_tiers = _tier_entries(self.kv_tiers)
         _check_choice("kv_tier_keys", self.kv_tier_keys, TIER_KEYS)
         for flag in ("enforce_eager", "chain_hashes", "enable_prefix_caching", "kv_tier_encrypt"):
             check_bool(flag, getattr(self, flag))

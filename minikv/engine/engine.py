@@ -23,7 +23,7 @@ from ..security.keys import derive_operator_key, derive_tenant_key, new_engine_s
 from ..security.scrub import make_scrubber, scrub_hook, zeroes
 from . import intake, step_guard
 from .attention_backends import FUSED, resolve_backend
-from .block_manager import ALL_TENANTS, BlockManager
+from .block_manager import ALL_TENANTS, BlockManager, NoConnector
 from .config import EngineConfig
 from .cuda_graphs import DecodeGraphRunner
 from .prefill_graphs import PrefillGraphRunner
@@ -42,19 +42,21 @@ from .seams import EngineSeams
 from .sequence import Sequence, SequenceStatus, common_prefix_len, stop_reason
 from .sharing import make_sharing
 from .snapshot import PoolSnapshot, capture
-from .tier_link import attach_tiers
 
 
 class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.py), all off by default
     def __init__(self, config: EngineConfig | None = None, *, weights: tuple | None = None,
-                 open_trail=None, **kwargs):
+                 open_trail=None, attach: tuple = (), **kwargs):
         """Both dependencies are handed in; the engine resolves no model name and imports no audit code.
 
         ``weights=(model, tokenizer, hf_config)``: loaded weights (``loader.load_model(path, ...)``),
         possibly another engine's (read-only): several engines, one copy of the model.
         ``open_trail(config, operator_key) -> trail | None`` opens the audit trail named by
         ``config.audit_log`` (``minikv.llm.open_trail`` builds a ``minikv.audit.trail.AuditTrail``).
-        ``minikv.LLM(name, ...)`` does both for you: it is the one place they are composed."""
+        ``attach``: callables ``attach(engine)`` run once the block manager exists; each plugs a
+        component in through its hooks (``minikv.tiers.attach_tiers`` sets the block manager's
+        ``kv_connector`` and adds a listener).  A fork runs the same ones.
+        ``minikv.LLM(name, ...)`` does all this for you: it is the one place they are composed."""
         self.config = c = config if config is not None else EngineConfig(**kwargs)
         self.device = resolve_device(c.device)
         self.dtype = resolve_dtype(c.dtype, self.device)
@@ -91,7 +93,12 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
             chain_hashes=c.chain_hashes, verify_hits=c.verify_hits,
             max_cached_per_tenant=c.cache_quota(self.num_blocks))
         self.block_manager.listeners.append(self._on_block_event)
-        self.tiers = attach_tiers(self)  # KV tiers below the pool (kv_tiers=...), or None
+        self._attach = tuple(attach)
+        for plug_in in self._attach:  # KV tiers below the pool (kv_tiers=...): minikv.tiers
+            plug_in(self)
+        if c.kv_tiers and isinstance(self.block_manager.kv_connector, NoConnector):
+            raise ValueError(f"kv_tiers={c.kv_tiers!r} needs the tiers attached: build the engine with "
+                             "minikv.LLM, or pass attach=(minikv.tiers.attach_tiers,)")
         # cache_isolation="selective": the strategy deciding which blocks leave their tenant's domain
         self.sharing = make_sharing(c, self.block_manager, self._secret, self.tenant_key, self._decision)
         if self.sharing is not None:
@@ -131,7 +138,8 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
             if fixed in overrides:
                 raise ValueError(f"{fixed!r} cannot be overridden: a fork shares the parent's weights")
         cfg = dataclasses.replace(self.config, device=str(self.device), dtype=self.dtype, **overrides)
-        child = LLMEngine(cfg, weights=(self.model, self.tokenizer, self.hf_config), open_trail=self._open_trail)
+        child = LLMEngine(cfg, weights=(self.model, self.tokenizer, self.hf_config), open_trail=self._open_trail,
+                          attach=self._attach)
         if "engine_secret" not in overrides:  # one audit identity per engine family (same fingerprints)
             child._operator_key = self._operator_key
         if child.audit is not None:  # tag "<parent tag>.<n>": request ids of forks never clash in one trail

@@ -97,7 +97,7 @@ LIFECYCLE: dict[Transition, Edge] = {
     # Selective sharing (minikv.engine.sharing) changes a registered block's key, never its K/V:
     Transition.PROMOTE: Edge((U, C), None, "on_promote", "promote", "every later request of every tenant"),
     Transition.ISOLATE: Edge((U, C), None, "on_isolate", "isolate", "its writer's later requests only"),
-    # KV tiers (minikv.engine.kv_tiers): the K/V leave the pool sealed, and come back verified.
+    # KV tiers (minikv.tiers): the K/V leave the pool sealed, and come back verified.
     Transition.OFFLOAD: Edge((C,), C, "on_offload", "offload", "the tier's readers, sealed: MAC + the domain's AEAD key"),
     Transition.ONLOAD: Edge((F,), C, "on_onload", "onload", "later requests of its domain, as a stored block"),
 }

@@ -69,8 +69,8 @@ class PrefixIndex:
 
     # ---------------------------------------------------------------- prefix lookup
     def lookup(self, seq: Sequence) -> list[int]:
-        """Longest run of cached blocks matching ``seq``'s first full blocks (with KV tiers on, a
-        pool miss may be onloaded from a tier: ``BlockManager._onload``).
+        """Longest run of cached blocks matching ``seq``'s first full blocks (a pool miss may be
+        onloaded from below the pool: ``BlockManager._onload``).
 
         The hit is capped so that at least one prompt token is computed: the model must run on
         the last token to produce logits for the first output token.
@@ -81,9 +81,9 @@ class PrefixIndex:
 
     def _match(self, seq: Sequence, hits: list[int], *, onload: bool, resume: bool = False) -> bool:
         """Extend ``hits`` (in place) with the blocks that match ``seq`` after them; onload pool
-        misses from the tiers only if ``onload``.  ``resume``: ``hits`` came from a pool-only match
+        misses from the connector only if ``onload``.  ``resume``: ``hits`` came from a pool-only match
         that stopped at a pool miss, so that block is not looked up (nor counted) again.  Returns
-        True when it stopped at a pool miss a tier might fill (``BlockManager.allocate``)."""
+        True when it stopped at a pool miss the connector might fill (``BlockManager.allocate``)."""
         if not (self.enable_caching and seq.cacheable):
             return False
         start, max_hit = len(hits), (seq.num_tokens - 1) // self.block_size
@@ -94,7 +94,7 @@ class PrefixIndex:
             if not (resume and i == start):
                 self.num_lookups += 1
                 bid = self.hash_table.get(self.block_hash(seq, i))
-            if bid is None and onload and self.tier is not None:  # a pool miss may still be a tier hit
+            if bid is None and onload:  # a pool miss the connector below the pool may still fill
                 bid = self._onload(seq, i, hits)
             if bid is None:
                 missed = True
@@ -150,10 +150,9 @@ class PrefixIndex:
         """Drop a cached block from the hash table onto the free list (transition ``evict``)."""
         block = self.blocks[bid]
         self.cached.pop(bid, None)
-        # An eviction a request caused (LRU, quota) keeps the K/V in the tiers; an operator's reset does not.
-        if seq is not None and self.tier is not None and block.tier_key is not None and self.tier.offload(block):
+        # An eviction a request caused (LRU, quota) may keep the K/V below the pool; an operator's reset does not.
+        if seq is not None and self.kv_connector.offload(block, seq):
             self.emit(Transition.OFFLOAD, [bid], seq)  # then on_offload scrubs the pool's copy
-        block.tier_key = None
         self.emit(Transition.EVICT, [bid], seq)  # listeners still see the hash being dropped
         del self.hash_table[block.hash]
         self._count_registered(block.writer_tenant, -1)

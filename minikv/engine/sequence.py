@@ -45,7 +45,7 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, in order
-    tier_hashes: list[bytes] = field(default_factory=list, repr=False)  # UNSAFE content-only chain (tier_link)
+    tier_hashes: list[bytes] = field(default_factory=list, repr=False)  # UNSAFE content-only chain (minikv.tiers.link)
     num_tier_blocks: int = 0  # admission hits whose K/V came back from a KV tier (onload), not the pool
     num_computed_tokens: int = 0  # tokens whose K/V are in the pool
     num_committed_tokens: int = 0  # of those, how many BlockManager.commit has recorded (its watermark)

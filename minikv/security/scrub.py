@@ -29,7 +29,7 @@ hook runs on which transition; the engine runs it through :func:`scrub_hook`.
   never reused, and it also covers blocks that were never scrubbed on free.  Never scrub a
   *hit* block (that would destroy shared data another request is about to read), and never
   scrub after the new owner has written it (that would destroy the owner's own K/V).
-* ``on_offload``: a block was sealed into a KV tier (``minikv.engine.kv_tiers``) just before its
+* ``on_offload``: a block was sealed into a KV tier (``minikv.tiers``) just before its
   eviction; both safe scrubbers zero it then, so the pool keeps no plaintext of what left it.
 * ``on_hit``, ``on_store``, ``on_cache``: optional hooks of the other transitions (none of
   minikv's scrubbers has them), so a policy can act anywhere in a block's life.

@@ -1,6 +1,6 @@
 """Sealing KV blocks for a store outside the process: tier keys, a MAC, and per-tenant encryption.
 
-A KV tier (host memory, Redis: :mod:`minikv.engine.kv_tiers`) is a new trust boundary.  Whoever
+A KV tier (host memory, Redis: :mod:`minikv.tiers`) is a new trust boundary.  Whoever
 can *write* to a shared store can hand an engine K/V it never computed -- cache poisoning one
 level below the pool.  Whoever can *read* it reads every tenant's K/V, and lesson 05's layer-0
 inversion turns K/V back into prompt tokens.  So every block leaves the process sealed:

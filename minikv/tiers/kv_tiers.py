@@ -2,14 +2,15 @@
 
 Production engines keep the prefix cache beyond the GPU pool: LMCache, Mooncake and SGLang's
 HiCache move blocks into host memory and into remote stores shared by many instances.  minikv has
-one seam for that, :class:`KVTier`, below the block manager::
+one seam for that, :class:`KVTier`, below the block manager (its KV connector is the tier link,
+:mod:`~minikv.tiers.link`, which the composition root ``minikv.LLM`` attaches)::
 
     pool (hash table, LRU) --evict--> host tier (this process, bounded, LRU)
           |                 --store--> redis tier (shared by instances; TTL, per-tenant budget)
           '<--onload-- the first tier holding the key, on a pool miss
 
 A tier stores opaque *sealed values* under opaque keys: the tier link
-(:mod:`~minikv.engine.tier_link`) seals each block (MAC, per-tenant AEAD:
+(:mod:`~minikv.tiers.link`) seals each block (MAC, per-tenant AEAD:
 :mod:`minikv.security.sealing`) before a tier sees it, so no tier implementation needs to be
 trusted with plaintext or with keys.  ``when`` says when a tier is written: ``"evict"`` (the
 host tier: the pool's LRU evicts into it) or ``"store"`` (Redis: written as soon as a block is
@@ -33,13 +34,11 @@ from collections import OrderedDict
 from typing import Protocol
 from urllib.parse import parse_qs, urlsplit
 
-from .checks import show
+from ..engine.checks import show
+from ..engine.config import TIER_KEYS
 
 __all__ = ["KVTier", "HostTier", "TIERS", "TIER_KEYS", "WHEN", "is_tier", "make_tier", "parse_tiers"]
 
-#: ``kv_tier_keys``: "tenant" (the pool's tenant-keyed hash) or UNSAFE "content" (the salt dropped
-#: at the tier boundary: LMCache #4825's ``cache_salt=''``)
-TIER_KEYS = ("tenant", "content")
 #: a tier's ``when``: the transition that writes it
 WHEN = ("evict", "store")
 
@@ -132,7 +131,7 @@ def _host(spec: str, query: dict) -> HostTier:
 
 
 def _redis(spec: str, query: dict):
-    from .tier_redis import RedisTier  # the redis client is imported only when asked for
+    from .redis_tier import RedisTier  # the redis client is imported only when asked for
     return RedisTier.from_spec(spec, query)
 
 
@@ -181,7 +180,7 @@ def parse_tiers(specs) -> tuple:
             continue
         if not isinstance(s, str):
             raise TypeError(f"kv_tiers: {show(s)} ({type(s).__name__}) is neither a tier spec string nor a "
-                            "tier object (name, when, put, get, evict: minikv.engine.kv_tiers.KVTier)")
+                            "tier object (name, when, put, get, evict: minikv.tiers.KVTier)")
         if (urlsplit(s).scheme or urlsplit(s).path) not in TIERS:
             raise ValueError(f"kv_tiers: unknown tier {show(s)}; valid kinds: {', '.join(TIERS)} "
                              "(e.g. 'host', 'redis://127.0.0.1:6390/0')")

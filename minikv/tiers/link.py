@@ -1,16 +1,19 @@
-"""The tier link: between the block manager (torch-free bookkeeping) and the KV tiers (sealed bytes).
+"""The tier link: the block manager's KV connector (torch-free bookkeeping above, sealed bytes below).
 
 The block manager decides *when* a block leaves or re-enters the pool; this object does the
-moving.  Three calls, each one a lifecycle transition (:mod:`~minikv.engine.lifecycle`):
+moving, through the block manager's hooks (``kv_connector`` and a listener: :func:`attach_tiers`,
+which the composition root ``minikv.LLM`` runs; the engine imports nothing from here).  Each call
+is one lifecycle transition (:mod:`~minikv.engine.lifecycle`):
 
 * ``on_block_event`` (a block-manager listener): on ``store``, a full block is sealed and written
-  to the ``"store"`` tiers (Redis), so other instances may hit it; its tier key is remembered on
-  the block.  A re-keyed block (selective sharing's ``promote``/``isolate``) forgets its tier key:
-  its stored copy was filed under its old domain, and is never offloaded under the new one.
+  to the ``"store"`` tiers (Redis), so other instances may hit it; its tier key is remembered
+  (``keys``, by block id) until the block is evicted.  A re-keyed block (selective sharing's
+  ``promote``/``isolate``) forgets its tier key: its stored copy was filed under its old domain,
+  and is never offloaded under the new one.
 * ``offload(block, seq)`` -- the ``offload`` transition, just before an ``evict``: the block is
   sealed and written to the ``"evict"`` tiers (host).  The lifecycle table then runs the scrub
   hook ``on_offload``: the pool's plaintext copy is zeroed, as the tier holds the K/V now.
-* ``fetch(seq, i)`` + ``load(block_id, payload)`` -- the ``onload`` transition: on a pool miss the
+* ``fetch(seq, i)`` + ``load(block_id, found)`` -- the ``onload`` transition: on a pool miss the
   tiers are asked in order; the first value that *verifies* (MAC, decryption: ``Sealer.open``) is
   copied into a free pool block, which is then registered like a block this engine computed.  A
   value that fails is dropped from its tier, counted (``stats["refused"]``), logged, never used.
@@ -28,9 +31,10 @@ import time
 
 import torch
 
+from ..engine.block_manager import Found
+from ..engine.lifecycle import Transition
 from ..security.sealing import SealError, Sealer, binding, tier_key, tier_space
 from .kv_tiers import make_tier
-from .lifecycle import Transition
 
 log = logging.getLogger("minikv.tiers")
 
@@ -47,6 +51,7 @@ class TierLink:
         self.nbytes = pool.kv_blocks[0][0].nbytes * pool.num_layers  # one block, every layer, K and V
         self.stats = dict(offloaded=0, stored=0, onloaded=0, refused=0, misses=0, seal_s=0.0, open_s=0.0)
         self.hits_by_tier = {t.name: 0 for t in self.tiers}
+        self.keys: dict[int, tuple] = {}  # block id -> (tier key, tokens, domain) while registered
         self._scratch = bytearray(self.nbytes)  # fetch decrypts here; load copies it into the pool
 
     # ---------------------------------------------------------------- what a block is, in a tier
@@ -88,9 +93,9 @@ class TierLink:
 
     def _write(self, block, when: str) -> int:
         targets = [t for t in self.tiers if t.when == when]
-        if not targets or block.tier_key is None:
+        if not targets or block.block_id not in self.keys:
             return 0
-        key, tokens, domain = block.tier_key
+        key, tokens, domain = self.keys[block.block_id]
         value = self._seal_block(block.block_id, key, tokens, domain)
         tag = self.sealer.tenant_tag(block.writer_tenant)
         return sum(t.put(key, value, tag) for t in targets)
@@ -99,21 +104,21 @@ class TierLink:
         if transition == Transition.STORE and seq is not None:
             pos = {bid: i for i, bid in enumerate(seq.block_table)}
             for bid in ids:
-                block, i = self.pool_blocks[bid], pos[bid]
-                block.tier_key = (self.key_of(seq, i), seq.block_tokens(i, self.bs), self.domain_of(seq, i))
-                self.stats["stored"] += bool(self._write(block, "store"))
-        elif transition in (Transition.PROMOTE, Transition.ISOLATE):
+                i = pos[bid]
+                self.keys[bid] = (self.key_of(seq, i), seq.block_tokens(i, self.bs), self.domain_of(seq, i))
+                self.stats["stored"] += bool(self._write(self.pool_blocks[bid], "store"))
+        elif transition in (Transition.PROMOTE, Transition.ISOLATE, Transition.EVICT):
             for bid in ids:
-                self.pool_blocks[bid].tier_key = None
+                self.keys.pop(bid, None)
 
-    def offload(self, block) -> bool:
+    def offload(self, block, seq=None) -> bool:
         """Write ``block`` to the evict-into tiers (host) before the pool drops it."""
         done = bool(self._write(block, "evict"))
         self.stats["offloaded"] += done
         return done
 
     # ---------------------------------------------------------------- tiers -> pool
-    def fetch(self, seq, i: int):
+    def fetch(self, seq, i: int) -> Found | None:
         """A verified payload for ``seq``'s block ``i`` from the first tier that has one, or None.
         The payload is this link's scratch buffer: valid until the next ``fetch`` (``load`` it first)."""
         key = self.key_of(seq, i)
@@ -136,24 +141,28 @@ class TierLink:
             finally:
                 self.stats["open_s"] += time.perf_counter() - t0
             self.hits_by_tier[tier.name] += 1
-            return payload, (key, tokens, domain), tier.name
+            return Found((payload, (key, tokens, domain)), seq.tenant)
         self.stats["misses"] += 1
         return None
 
-    def load(self, bid: int, payload: bytearray) -> None:
+    def load(self, bid: int, found: Found) -> None:
         """Copy a verified payload (``Sealer.open``'s writable bytes) into pool block ``bid`` (every
-        slot: nothing stale survives)."""
+        slot: nothing stale survives); the block is now filed under the key it came from."""
+        payload, self.keys[bid] = found.data
         src = torch.frombuffer(payload, dtype=torch.uint8).view(self.pool.dtype)
         self.pool._kv[:, bid].copy_(src.view(self.pool._kv[:, bid].shape))
         self.stats["onloaded"] += 1
 
 
 def attach_tiers(engine) -> "TierLink | None":
-    """Give ``engine``'s block manager the tiers its config names (None: no tier, today's engine)."""
+    """Plug the tiers ``engine``'s config names in below its block manager (as its KV connector,
+    plus a listener), and set ``engine.tiers`` to the link (None: no tier, the pool alone)."""
     c, bm = engine.config, engine.block_manager
+    engine.tiers = None
     if not c.kv_tiers:
         return None
     link = TierLink(c, engine.pool, bm.blocks, bm.hasher, engine._secret, engine.model)
-    bm.tier = link
+    bm.kv_connector = link
     bm.listeners.append(link.on_block_event)
+    engine.tiers = link
     return link

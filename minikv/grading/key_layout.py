@@ -141,6 +141,9 @@ _STRICT = ("public", "tenant", "user")
 _ISOLATION_HINT = ("list, for each block, who may share it; then ask which inputs your key for that block depends "
                    "on, and whether two identities who must not share could ever feed it the same bytes.")
 
+#: a second engine secret: every non-shared key must change with it
+OTHER_SECRET = bytes(range(200, 232))
+
 BAD_INPUT = [((None, "bob"), ValueError, "a user without a tenant (tenant=None, user='bob')"),
              ((7, "bob"), TypeError, "tenant=7 (not a str)"), (("acme", 7), TypeError, "user=7 (not a str)"),
              (("acme", b"bob"), TypeError, "user=b'bob' (bytes, not a str)")]
@@ -152,6 +155,12 @@ def check_contract(key_layout) -> None:
     expect(first == _layout(key_layout, ("acme", "alice"), 35, 10, 22),
            "two calls for the same user and prompt gave different keys: the user never hits its own cache",
            "derive every key deterministically from the secret and the names (no randomness, no counters).")
+    other = key_layout(OTHER_SECRET, "acme", "alice", 35, BS, 10, 22)
+    for i, (a, b) in enumerate(zip(first, other)):
+        expect(a is None or a != b, f"block {i}'s key is the same under two different engine secrets (bug class: keys a "
+               "client can compute -- a key that does not change with the engine secret is a function of names "
+               "alone)", "every key that is not the shared domain (None) must come from the engine secret through a "
+               "keyed MAC: your 2a already does that.")
     for (tenant, user), exc_type, what in BAD_INPUT:
         _, exc = call_safely(key_layout, ENGINE_SECRET, tenant, user, 35, BS, 10, 22)
         expect(isinstance(exc, exc_type), f"key_layout accepted {what} "

@@ -18,7 +18,7 @@ from ..engine.block_manager import BlockManager
 from ..engine.sequence import Sequence
 from ..security.encoding import encode_fields as ref_encode_fields
 from ..security.hashing import BLOCK_LABEL, make_hasher
-from ..security.keys import TENANT_LABEL
+from ..security.keys import SHARED_LABEL, TENANT_LABEL
 from ..security.keys import derive_tenant_key as ref_derive_tenant_key
 from ._report import CheckFailed, call_safely, expect, grader
 from .hashing import (KEY_A, KEY_B, check_block_hash_properties, engine_stage_block_keys, engine_stage_hasher,
@@ -55,6 +55,25 @@ def _collision_class(a, b) -> str:
         return f"two different tenants map to the same key: {a!r} and {b!r} (bug class: lossy encoding of names " \
                "-- non-ASCII characters dropped)"
     return f"two different tenants map to the same key: {tenant_name(a)} and {tenant_name(b)}"
+
+
+def check_hmac_keyed_by_secret(derive_tenant_key) -> None:
+    """HMAC-SHA256 by behaviour, whatever layout the learner gave the labelled message: HMAC zero-pads a
+    key shorter than SHA-256's 64-byte block and hashes a longer one first (RFC 2104), so a secret and
+    the same secret plus a zero byte, or a long secret and its SHA-256, give the same key.  A keyed hash
+    built any other way (the secret inside a plain hash's message) tells them apart."""
+    long_secret = bytes(range(100))
+    for t in ("alice", None):
+        same = {"a secret and the same secret followed by a zero byte":
+                (derive_tenant_key(SECRET_A, t), derive_tenant_key(SECRET_A + b"\x00", t)),
+                "a 100-byte secret and its SHA-256":
+                (derive_tenant_key(long_secret, t), derive_tenant_key(hashlib.sha256(long_secret).digest(), t))}
+        for what, (a, b) in same.items():
+            expect(a == b, f"the key of {tenant_name(t)} is not HMAC-SHA256 keyed by the engine secret: {what} gave "
+                   "different keys, which HMAC's key schedule never does (bug class: not HMAC -- a keyed hash built "
+                   "some other way, e.g. a plain hash over a message that contains the secret)",
+                   "which construction does the contract name, and what are its key and its message?  Lesson 07's "
+                   "cell on keyed hashing builds one; the standard library has it.")
 
 
 @grader("a tenant key only the server can compute: keyed with the engine secret by a real MAC, distinct for every "
@@ -95,14 +114,7 @@ def check_tenant_key_derivation(derive_tenant_key, encode_fields=None) -> str:
                f"({'no error' if exc is None else type(exc).__name__}); expected {exc_type.__name__}",
                "reject secrets that are not bytes (TypeError) or shorter than 16 bytes (ValueError): "
                "a short secret can be brute-forced, and then every tenant key with it.")
-    if encode_fields is not None:  # structural: HMAC-SHA256(secret, your encode_fields(TENANT_LABEL, tenant))
-        for t in ("alice", None, ""):
-            want = hmac.digest(SECRET_A, encode_fields(TENANT_LABEL, t), "sha256")
-            expect(keys[t] == want, f"the key of {tenant_name(t)} is not HMAC-SHA256(engine secret, "
-                   "encode_fields(TENANT_LABEL, tenant)) (bug class: not HMAC -- a keyed hash built some other "
-                   "way, e.g. sha256 over an encoding that contains the secret)",
-                   "which construction does the contract name, and what are its key and its message?  Lesson 07's "
-                   "cell on keyed hashing builds one; the standard library has it.")
+    check_hmac_keyed_by_secret(derive_tenant_key)
     # Compare with the reference derivation: equal exactly when the reference keys are equal.
     grid = [(s, t) for s in (SECRET_A, SECRET_B) for t in tenants]
     for (s1, t1), (s2, t2) in itertools.combinations(grid, 2):
@@ -115,6 +127,25 @@ def check_tenant_key_derivation(derive_tenant_key, encode_fields=None) -> str:
 
 
 # --------------------------------------------------------------------------- 2b keyed hasher
+
+def check_domain_marker(h, encode_fields=None) -> None:
+    """A tenant block and a shared block may never share a key, even if the tenant key were the shared
+    key: the message says which kind of domain the block is in.  Without that marker the two messages
+    are equal and only the HMAC key tells them apart, so a tenant block keyed with the shared key IS the
+    shared block.  The shared key is the learner's: any bytes the hasher holds, or the key derived from
+    the secret and ``SHARED_LABEL`` in the usual layouts."""
+    candidates = [bytes(v) for v in getattr(h, "__dict__", {}).values() if isinstance(v, (bytes, bytearray))]
+    for enc in {encode_fields or ref_encode_fields, ref_encode_fields}:
+        candidates.append(hmac.digest(SECRET_A, enc(SHARED_LABEL), "sha256"))
+    candidates.append(hmac.digest(SECRET_A, SHARED_LABEL.encode(), "sha256"))
+    for key in candidates:
+        for parent in (None, b"\x07" * 32):
+            expect(h(parent, (1, 2, 3, 4), (), key) != h(parent, (1, 2, 3, 4), (), None),
+                   "a tenant block whose key equals the shared key gets the same block key as the shared block: the "
+                   "hashed message does not say which kind of domain the block is in (bug class: no domain marker)",
+                   "the contract asks the message to say whether the block is a tenant's or shared, so the two kinds "
+                   "can never share a key whatever their HMAC keys are.")
+
 
 @grader("a real MAC keyed with the tenant key, in EVERY block; shared blocks keyed from the secret too.")
 def check_tenant_keyed_hasher(hasher_cls, encode_fields=None) -> str:
@@ -152,6 +183,7 @@ def check_tenant_keyed_hasher(hasher_cls, encode_fields=None) -> str:
     expect(hasher_cls(SECRET_B)(None, (1, 2, 3, 4), (), None) != h(None, (1, 2, 3, 4), (), None),
            "shared blocks (tenant_key=None) get the same key under two different engine secrets: they are not "
            "keyed, so anyone can compute them", "derive a shared key from the secret in __init__ (SHARED_LABEL).")
+    check_domain_marker(h, encode_fields)
     cached, log = engine_stage_hasher(h, "hmac-sha256")
     return (f"keyed in every block; with a public system prompt the engine shares exactly its "
             f"{len(log.public)} public block hits and no private block ({sum(cached)} cached tokens, as hmac-sha256)")

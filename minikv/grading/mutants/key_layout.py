@@ -6,6 +6,7 @@ may -- isolated, but every user of a tenant pays for its documents again.
 """
 from __future__ import annotations
 
+import hashlib
 import hmac
 
 from ...security.encoding import encode_fields as _typed
@@ -88,16 +89,27 @@ def layout_orphan_user(engine_secret, tenant, user, n_tokens, block_size, public
     return _lay(n_tokens, block_size, public_len, tenant_end, tenant_key, _user_key(tenant_key, user))
 
 
+def layout_names_hashed(engine_secret, tenant, user, n_tokens, block_size, public_len, tenant_end):
+    """Checks the secret's length, then keys every part by a plain SHA-256 of the typed names: isolated
+    and shared as it should be, but any client who knows the names computes every key, and a new engine
+    secret changes none of them."""
+    _checked(engine_secret, tenant, user, n_tokens, block_size, public_len, tenant_end)
+    tenant_key = hashlib.sha256(_typed("minikv/tenant-key/v1", tenant)).digest()
+    user_key = hashlib.sha256(_typed("minikv/user-key/v1", tenant, user)).digest()
+    return _lay(n_tokens, block_size, public_len, tenant_end, tenant_key, user_key)
+
+
 MUTANTS = {
     "2d": entries(("tenant-part-per-user", layout_tenant_part_per_user),
                   ("user-part-tenant-key", layout_user_part_tenant_key),
                   ("straddle-looser", layout_straddle_looser), ("user-not-bound", layout_user_not_bound),
-                  ("joined-names", layout_joined_names), ("orphan-user", layout_orphan_user)),
+                  ("joined-names", layout_joined_names), ("orphan-user", layout_orphan_user),
+                  ("names-hashed", layout_names_hashed)),
 }
 
 DIAGNOSES = {
     ("2d", "tenant-part-per-user"): "over-keying the tenant part", ("2d", "user-part-tenant-key"): "cross-user leak",
     ("2d", "straddle-looser"): "straddling block takes the looser key",
     ("2d", "user-not-bound"): "user key not bound to its tenant", ("2d", "joined-names"): "untyped user encoding",
-    ("2d", "orphan-user"): "a user without a tenant",
+    ("2d", "orphan-user"): "a user without a tenant", ("2d", "names-hashed"): "keys a client can compute",
 }

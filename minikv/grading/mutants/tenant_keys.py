@@ -85,6 +85,22 @@ def derive_no_secret_check(engine_secret, tenant) -> bytes:
                        _typed("tenant", tenant), "sha256")
 
 
+def derive_label_last(engine_secret, tenant) -> bytes:
+    """NEGATIVE CONTROL (correct): HMAC-SHA256 keyed by the secret over the typed tenant THEN the label --
+    the contract names the construction and the label, not the message's layout; the grader must ACCEPT it."""
+    _check(engine_secret)
+    if tenant is not None and not isinstance(tenant, str):
+        raise TypeError(f"tenant must be a str or None, got {tenant!r}")
+    return hmac.digest(engine_secret, _typed(tenant, "minikv/tenant-key/v1"), "sha256")
+
+
+def derive_raw_label_prefix(engine_secret, tenant) -> bytes:
+    """NEGATIVE CONTROL (correct): HMAC-SHA256 keyed by the secret over the label's raw bytes, a NUL, then
+    the typed tenant; another layout of the same labelled message, so the grader must ACCEPT it."""
+    _check(engine_secret)
+    return hmac.digest(bytes(engine_secret), b"minikv/tenant-key/v1\x00" + _typed(tenant), "sha256")
+
+
 # ============================================================================ 2b keyed hasher
 
 
@@ -126,6 +142,16 @@ class KeyedTruncated(_KeyedBase):
     def __call__(self, parent, tokens, extra, tenant_key):
         key = self._shared if tenant_key is None else tenant_key
         return hmac.digest(key, _typed(parent, tuple(tokens), tuple(extra), tenant_key is not None), "sha256")[:8]
+
+
+class KeyedNoDomainMarker(_KeyedBase):
+    """HMAC keyed per domain, in every block, but the message never says whether the block is a tenant's
+    or shared: only the HMAC key tells the two kinds apart, so a tenant key equal to the shared key gives
+    shared blocks' keys (the contract's domain marker, never checked before)."""
+
+    def __call__(self, parent, tokens, extra, tenant_key):
+        key = self._shared if tenant_key is None else tenant_key
+        return hmac.digest(key, _typed("minikv/keyed-block/v1", parent, tuple(tokens), tuple(extra)), "sha256")
 
 
 # ============================================================================ 2c block_keys
@@ -177,7 +203,8 @@ MUTANTS = {
                   ("nfc-normalised", derive_nfc_normalised), ("ascii-lossy", derive_ascii_lossy),
                   ("sha256-concat", derive_sha256_concat), ("sha256-of-encoding", derive_sha256_of_encoding)),
     "2b": entries(("salt-never-used", KeyedSaltNeverUsed), ("first-block-only", KeyedFirstBlockOnly),
-                  ("truncated", KeyedTruncated), ("sha256-concat", KeyedSha256Concat)),
+                  ("truncated", KeyedTruncated), ("sha256-concat", KeyedSha256Concat),
+                  ("no-domain-marker", KeyedNoDomainMarker)),
     "2c": entries(("salt-last-block-only", keys_salt_last_block_only), ("salt-never-passed", keys_salt_never_passed),
                   ("straddling-block-public", keys_straddling_block_public), ("unchained", keys_unchained)),
 }
@@ -191,6 +218,10 @@ DIAGNOSES = {
     ("2a", "sha256-of-encoding"): "not HMAC",
     ("2b", "salt-never-used"): "tenant key never reaches the hash", ("2b", "first-block-only"): "only enters the first block",
     ("2b", "truncated"): "truncated key", ("2b", "sha256-concat"): "ad-hoc keyed hash",
+    ("2b", "no-domain-marker"): "no domain marker",
     ("2c", "salt-last-block-only"): "tenant key missing from a private block", ("2c", "salt-never-passed"): "tenant key missing from a private block",
     ("2c", "straddling-block-public"): "straddles the end of the public prefix", ("2c", "unchained"): "unchained keys",
 }
+
+#: correct implementations that differ only in layout: the graders must ACCEPT them
+NEGATIVE_CONTROLS = {"2a": entries(("label-last", derive_label_last), ("raw-label-prefix", derive_raw_label_prefix))}

@@ -10,6 +10,7 @@ one other element changed (a function that changed nothing at all worked on a co
 from __future__ import annotations
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from ._report import CheckFailed, expect, grader
 from .scrub_placement import check_scrub_placement, engine_stage_placement  # noqa: F401 -- 3b, re-exported
@@ -71,6 +72,25 @@ def _diff_report(pool, before_k, before_v, ids: list[int], call: str, must_zero:
                                       f"(bug class: {bug})", hint)
 
 
+class WriteCounter(TorchFunctionMode):
+    """Counts the in-place writes (``__setitem__`` and ``*_`` methods) that land in the storage of K or V,
+    through the tensor itself or any view of it: the contract's "one indexed write per tensor"."""
+
+    def __init__(self, k, v):
+        super().__init__()
+        self.storages = {k.untyped_storage().data_ptr(): "K", v.untyped_storage().data_ptr(): "V"}
+        self.counts = {"K": 0, "V": 0}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if args and isinstance(args[0], torch.Tensor) and (
+                name == "__setitem__" or (name.endswith("_") and not name.startswith("_"))):
+            which = self.storages.get(args[0].untyped_storage().data_ptr())
+            if which is not None:
+                self.counts[which] += 1
+        return func(*args, **(kwargs or {}))
+
+
 @grader("zero exactly the given blocks, along the block dimension, in every layer, in K and V, in place.")
 def check_zero_blocks(zero_blocks) -> str:
     """Exercise 3a: exactly the given blocks, every layer, K and V, in place."""
@@ -79,7 +99,8 @@ def check_zero_blocks(zero_blocks) -> str:
         k, v = pool.k_cache, pool.v_cache
         before_k, before_v = k.clone(), v.clone()
         try:
-            zero_blocks(pool, list(ids))
+            with WriteCounter(k, v) as writes:
+                zero_blocks(pool, list(ids))
         except AttributeError as exc:
             if "zero_blocks" in str(exc):
                 raise CheckFailed("your zero_blocks called pool.zero_blocks, which this pool does not have",
@@ -99,4 +120,10 @@ def check_zero_blocks(zero_blocks) -> str:
                               "which tensor did your zeros land in?  Print `x is pool.k_cache` for the tensor your "
                               "operation returned or modified.")
         _diff_report(pool, before_k, before_v, list(ids), f"zero_blocks(pool, {list(ids)})")
+        many = {name: n for name, n in writes.counts.items() if n > 1}
+        expect(not many, f"zero_blocks(pool, {list(ids)}) wrote " + " and ".join(
+               f"{name} in {n} separate in-place writes" for name, n in many.items()) + "; the contract is one "
+               "indexed write per tensor (bug class: a write per block or per layer -- a Python loop where one "
+               "indexed operation does it)", "on a GPU every write is a kernel launch: give the whole list of ids to "
+               "ONE indexed operation along the block dimension.")
     return "zeroes exactly the given blocks, in every layer, K and V, in place; [] is a no-op"

@@ -63,6 +63,14 @@ def zero_out_of_place(pool, block_ids):
         pool.v_cache = pool.v_cache.index_fill(1, idx, 0)
 
 
+def zero_loop_over_blocks(pool, block_ids):
+    """Right bytes, wrong cost: a Python loop that zeroes one block at a time, a write (on a GPU, a kernel
+    launch) per block and tensor, where the contract asks for one indexed write per tensor."""
+    for b in block_ids:
+        pool.k_cache[:, b] = 0
+        pool.v_cache[:, b] = 0
+
+
 # ============================================================================ 3c write the mutant
 # Wrong answers to the *mutant-writing* task: each replaces sneaky_zero_blocks_a (the reference's
 # sneaky_zero_blocks_b, a slice over the ids' range, stays beside it).
@@ -190,7 +198,7 @@ def place_needs_a_request(transition, seq):
 MUTANTS = {
     "3a": entries(("k-only", zero_k_only), ("layer0-only", zero_layer0_only), ("wrong-dim", zero_wrong_dim),
                   ("on-a-copy", zero_on_a_copy), ("out-of-place", zero_out_of_place),
-                  ("index-fill-discarded", zero_index_fill_discarded)),
+                  ("index-fill-discarded", zero_index_fill_discarded), ("loop-over-blocks", zero_loop_over_blocks)),
     "3b": entries(("wipe-hits", place_wipe_hits), ("wipe-adopted", place_wipe_adopted),
                   ("no-adopt-row", place_no_adopt_row), ("on-release", place_on_release),
                   ("keep-evicted", place_keep_evicted), ("finished-only", place_finished_only),
@@ -204,7 +212,7 @@ MUTANTS = {
 DIAGNOSES = {
     ("3a", "k-only"): "V forgotten", ("3a", "layer0-only"): "only some layers zeroed", ("3a", "wrong-dim"): "wrong dimension",
     ("3a", "on-a-copy"): "COPY", ("3a", "out-of-place"): "out-of-place copy",
-    ("3a", "index-fill-discarded"): "result discarded", ("3b", "compares-reason"): "crashed in the decision",
+    ("3a", "index-fill-discarded"): "result discarded", ("3a", "loop-over-blocks"): "a write per block", ("3b", "compares-reason"): "crashed in the decision",
     ("3b", "wipe-hits"): "wipes every HIT", ("3b", "wipe-adopted"): "wipes every ADOPTED block",
     ("3b", "no-adopt-row"): "a transition left undecided", ("3b", "on-release"): "released INTO the cache",
     ("3b", "keep-evicted"): "LRU EVICTION", ("3b", "finished-only"): "PREEMPTION",

@@ -158,8 +158,11 @@ def test_tenant_isolation_and_keys(client):
 
 
 def test_client_supplied_salt_and_tenant_are_ignored(client):
-    """Copying alice's cache_salt / naming her as tenant gets bob nothing (vLLM #53347)."""
-    for i, extra in enumerate(({"cache_salt": "s3cret"}, {"tenant": "alice"}, {"user": "alice"})):
+    """Copying alice's cache_salt / naming her as user gets bob nothing (vLLM #53347); a
+    ``tenant`` field is not an OpenAI parameter, so it is refused outright."""
+    r = complete(client, "x", headers=BOB, tenant="alice")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tenant"
+    for i, extra in enumerate(({"cache_salt": "s3cret"}, {"user": "alice"})):
         prompt = f"salted prompt {i}: " + "zyxwvuts " * 8  # new to bob each time
         r = complete(client, prompt, headers=ALICE, cache_salt="s3cret", user="alice")
         assert r.status_code == 200

@@ -77,6 +77,22 @@ CASES = [
     ("deeply nested JSON", "[" * 50_000 + "]" * 50_000, 400, "not valid JSON"),
     ("empty prompt", {"prompt": ""}, 400, "empty"),
     ("n=2", {"prompt": "x", "n": 2}, 400, "n=2"),
+    # -- penalties and biases: honoured, so their bad values are refused by name
+    ("presence_penalty above 2", {"prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("frequency_penalty string", {"prompt": "x", "frequency_penalty": "high"}, 400, "frequency_penalty"),
+    ("logit_bias list", {"prompt": "x", "logit_bias": [1, 2]}, 400, "logit_bias"),
+    ("logit_bias key not an id", {"prompt": "x", "logit_bias": {"hello": 1}}, 400, "logit_bias key 'hello'"),
+    ("logit_bias value 101", {"prompt": "x", "logit_bias": {"5": 101}}, 400, "logit_bias[5]"),
+    ("logit_bias value bool", {"prompt": "x", "logit_bias": {"5": True}}, 400, "logit_bias[5]"),
+    ("logit_bias id outside vocab", {"prompt": "x", "logit_bias": {"999999999": 1}}, 400, "999999999"),
+    ("penalties in range", {"prompt": "x", "presence_penalty": -2, "frequency_penalty": 2,
+                            "logit_bias": {"5": -100}}, 200, ""),
+    # -- what is not implemented is refused by name, never silently ignored
+    ("response_format", {"prompt": "x", "response_format": {"type": "json_object"}}, 400, "'response_format'"),
+    ("tools", {"prompt": "x", "tools": []}, 400, "'tools'"),
+    ("repetition_penalty", {"prompt": "x", "repetition_penalty": 1.2}, 400, "'repetition_penalty'"),
+    ("min_p", {"prompt": "x", "min_p": 0.1}, 400, "'min_p'"),
+    ("a chat field on completions", {"prompt": "x", "messages": []}, 400, "'messages'"),
 ]
 
 
@@ -133,3 +149,31 @@ def test_one_failing_request_fails_alone(srv):
         assert res[t].status_code == 200 and res[t].json()["choices"][0]["text"] == alone[t]
     assert httpx.get(srv.url + "/health").status_code == 200
     assert runner.call(lambda e: (e.check_invariants(), e.has_unfinished_requests())[1]).result(30) is False
+
+
+def test_penalties_and_bias_reach_the_engine_on_both_routes(srv):
+    """logit_bias, presence_penalty and frequency_penalty change what the server generates, on
+    /completions and /chat/completions alike (they used to be accepted and ignored)."""
+    tok = srv.app.state.engine.tokenizer
+    forced = tok.decode([42] * 4)
+    with httpx.Client(base_url=srv.base_url, timeout=60) as c:
+        r = c.post("/completions", headers=ALICE, json={"model": MODEL, "prompt": "bias", "max_tokens": 4,
+                                                        "temperature": 0.8, "ignore_eos": True,
+                                                        "logit_bias": {"42": 100}})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == forced
+        r = c.post("/chat/completions", headers=ALICE, json={"model": MODEL, "max_tokens": 4, "ignore_eos": True,
+                                                             "messages": [{"role": "user", "content": "bias"}],
+                                                             "logit_bias": {"42": 100}})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == forced
+    # penalties: the server's tokens are the Python API's for the same parameters, and they
+    # are not the unpenalized ones (the greedy tiny model repeats a token within 6 steps)
+    from minikv.engine import SamplingParams
+    ref = LLM(srv.app.state.engine.config.model, enable_prefix_caching=True, num_blocks=256, seed=0)
+    body = {"model": MODEL, "prompt": [7, 8, 9], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    plain = ref.generate([[7, 8, 9]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    with httpx.Client(base_url=srv.base_url, timeout=60) as c:
+        for extra in ({"presence_penalty": 2.0}, {"frequency_penalty": 2.0}):
+            want = ref.generate([[7, 8, 9]], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, **extra))
+            assert want[0].outputs[0].token_ids != plain[0].outputs[0].token_ids
+            got = c.post("/completions", headers=ALICE, json={**body, **extra}).json()
+            assert got["choices"][0]["text"] == want[0].outputs[0].text

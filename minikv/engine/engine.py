@@ -257,7 +257,8 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
         if self.logit_trace is not None:
             self.logit_trace.append({s.request_id: row.cpu() for s, row in rows.items()})
         live = [s for s in batch.prefills + batch.decodes if s not in failed]  # one batched draw
-        drawn = dict(zip(live, sample([rows[s] for s in live], [s.params for s in live], [s.generator for s in live])))
+        drawn = dict(zip(live, sample([rows[s] for s in live], [s.params for s in live], [s.generator for s in live],
+                                      [s.output_token_ids for s in live])))  # what penalties count
         now = time.perf_counter()
         outputs = []
         for seq in batch.prefills + batch.decodes:

@@ -60,6 +60,7 @@ def check_request(engine, request_id, prompt, params, tenant,
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
     check_vocab("stop_token_ids entry", params.stop_token_ids, engine.model.shape.vocab_size)
+    check_vocab("logit_bias token id", list(params.logit_bias or ()), engine.model.shape.vocab_size)
     ids, text = engine.encode_prompt(prompt)
     if not ids:
         raise ValueError("prompt is empty (no tokens)")

@@ -7,9 +7,17 @@ Why per-request generators?  A seeded request must produce the same tokens wheth
 alone or inside a batch of 60 strangers, otherwise "seed" means nothing in a server.  Each
 sequence therefore draws from its own ``torch.Generator``; the batch only shares the logits
 computation, never the randomness.
+
+Penalties and biases (OpenAI's, as vLLM applies them) act on the logits before anything else,
+greedy rows included: ``logit_bias`` adds its value to its token's logit; ``presence_penalty``
+subtracts itself from every token the request has already *generated* (its prompt does not
+count), and ``frequency_penalty`` subtracts itself once per time the token was generated.  A
+positive penalty makes repeats less likely, a negative one more likely.  So the sampler needs
+each row's output so far -- the one thing here that a row's logits alone do not tell.
 """
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +30,9 @@ from .checks import as_int, as_real, as_seed, check_bool, show
 # caller meant, so that is what they get.
 GREEDY_EPS = 1e-5
 
+# OpenAI's ranges (vLLM checks the same): penalties in [-2, 2], a logit bias in [-100, 100].
+PENALTY_RANGE, BIAS_RANGE = 2.0, 100.0
+
 
 @dataclass
 class SamplingParams:
@@ -30,7 +41,9 @@ class SamplingParams:
     Mirrors vLLM's ``SamplingParams``: ``temperature=0`` is greedy; ``top_k=0`` (or -1) and
     ``top_p=1`` disable those filters; ``seed`` makes sampling reproducible per request;
     generation stops at EOS (unless ``ignore_eos``), at any ``stop`` string, at a
-    ``stop_token_ids`` token, or after ``max_tokens``.
+    ``stop_token_ids`` token, or after ``max_tokens``.  ``presence_penalty``,
+    ``frequency_penalty`` and ``logit_bias`` (token id -> bias) reshape the logits first (module
+    doc); the engine checks ``logit_bias``'s ids against the vocabulary, which only it knows.
 
     Every field is validated here, because this is the door every request comes through (the
     Python API, the CLI and the HTTP server all build one).  A value the sampler could choke on
@@ -49,6 +62,9 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
     stop_strings: tuple = field(init=False, repr=False, default=())
 
     def __post_init__(self) -> None:
@@ -79,6 +95,17 @@ class SamplingParams:
         if ids is not None and not isinstance(ids, (list, tuple)):
             raise TypeError(f"stop_token_ids must be a list of ints, got {type(ids).__name__} ({show(ids)})")
         self.stop_token_ids = [as_int(f"stop_token_ids[{i}]", t, minimum=0) for i, t in enumerate(ids or ())]
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = as_real(name, getattr(self, name))
+            if not -PENALTY_RANGE <= value <= PENALTY_RANGE:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+            setattr(self, name, value)
+        self.logit_bias = _check_bias(self.logit_bias)
+
+    @property
+    def penalized(self) -> bool:
+        """Does any of presence/frequency penalty or logit bias change this request's logits?"""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -86,10 +113,56 @@ class SamplingParams:
         return self.temperature < GREEDY_EPS
 
 
+def _check_bias(bias) -> dict[int, float] | None:
+    """``logit_bias`` as {int token id: float bias}, or an error naming the entry."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise TypeError(f"logit_bias must be a dict of token id -> bias, got {type(bias).__name__} ({show(bias)})")
+    out = {}
+    for key, value in bias.items():
+        tok = as_int(f"logit_bias key {show(key)}", key, minimum=0)
+        b = as_real(f"logit_bias[{tok}]", value)
+        if not -BIAS_RANGE <= b <= BIAS_RANGE:
+            raise ValueError(f"logit_bias[{tok}] must be in [-100, 100], got {b!r}")
+        out[tok] = b
+    return out or None
+
+
+def apply_penalties(logits: torch.Tensor, params: list[SamplingParams], outputs) -> torch.Tensor:
+    """``logits`` ([batch, vocab] fp32) with each row's logit bias added and its presence and
+    frequency penalties subtracted, counted over ``outputs[i]`` (row i's generated token ids).
+    Rows without any come back unchanged; the input is never modified.  Batched: one count
+    matrix for the penalized rows, built by one scatter of all their output ids."""
+    rows = [i for i, p in enumerate(params) if p.penalized]
+    if not rows:
+        return logits
+    device, vocab = logits.device, logits.shape[-1]
+    out = logits.clone()
+    pen = [i for i in rows if params[i].presence_penalty or params[i].frequency_penalty]
+    if pen:
+        where = [(r, t) for r, i in enumerate(pen) for t in (outputs[i] if outputs is not None else ())]
+        counts = torch.zeros(len(pen), vocab, device=device)
+        if where:
+            r, t = torch.tensor(where, device=device).T
+            counts.index_put_((r, t), torch.ones(len(where), device=device), accumulate=True)
+        freq = torch.tensor([params[i].frequency_penalty for i in pen], device=device)[:, None]
+        pres = torch.tensor([params[i].presence_penalty for i in pen], device=device)[:, None]
+        idx = torch.tensor(pen, device=device)
+        out[idx] = out[idx] - freq * counts - pres * (counts > 0).float()
+    biased = [(i, t, b) for i in rows for t, b in (params[i].logit_bias or {}).items()]
+    if biased:
+        r = torch.tensor([i for i, _, _ in biased], device=device)
+        t = torch.tensor([t for _, t, _ in biased], device=device)
+        out.index_put_((r, t), torch.tensor([b for _, _, b in biased], device=device), accumulate=True)
+    return out
+
+
 def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int | Exception]:
+           generators: list[torch.Generator | None], outputs=None) -> list[int | Exception]:
     """Pick one token per row of ``logits`` ([batch, vocab] or a list of [vocab] rows, any float
-    dtype), all rows at once: the engine's sampler.
+    dtype), all rows at once: the engine's sampler.  ``outputs[i]``: row i's generated token
+    ids so far, which its penalties count (None: nothing generated yet, for every row).
 
     Every row gets exactly what :func:`sample_row` would give it -- the same token for the same
     seed -- but the filters run as batched ops and the draw costs no ``.item()`` per row: one
@@ -103,17 +176,18 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     if not params:
         return []
     try:
-        tokens, bad = _sample_batch(torch.stack(list(logits)).float() if isinstance(logits, (list, tuple))
-                                    else logits.float(), params, generators)
+        x = torch.stack(list(logits)).float() if isinstance(logits, (list, tuple)) else logits.float()
+        tokens, bad = _sample_batch(apply_penalties(x, params, outputs), params, generators)
     except Exception:  # noqa: BLE001 -- fall back to one row at a time, each failing alone
-        return [_try_row(logits[i], p, generators[i]) for i, p in enumerate(params)]
+        return [_try_row(logits[i], p, generators[i], outputs[i] if outputs is not None else ())
+                for i, p in enumerate(params)]
     return [ValueError("cannot sample: the row's probabilities are not finite (NaN/inf logits)") if b else t
             for t, b in zip(tokens, bad)]
 
 
-def _try_row(row, p, generator) -> int | Exception:
+def _try_row(row, p, generator, output_ids) -> int | Exception:
     try:
-        return sample_row(row.float(), p, generator)
+        return sample_row(row.float(), p, generator, output_ids)
     except Exception as exc:  # noqa: BLE001
         return exc
 
@@ -149,10 +223,18 @@ def _sample_batch(logits: torch.Tensor, params: list[SamplingParams], generators
     return tokens, [bool(f) for f in flags]
 
 
-def sample_row(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
-    """Draw one token from one fp32 row of logits: temperature, then top-k, then top-p
-    (nucleus) filtering, then a draw from what is left with the request's own generator.
-    The readable one-row version of :func:`sample` (which must agree with it token for token)."""
+def sample_row(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | None,
+               output_ids=()) -> int:
+    """Draw one token from one fp32 row of logits: bias and penalties (over ``output_ids``, the
+    request's generated tokens), temperature, then top-k, then top-p (nucleus) filtering, then
+    a draw from what is left with the request's own generator.  The readable one-row version
+    of :func:`sample` (which must agree with it token for token)."""
+    if p.penalized:
+        row = row.clone()
+        for tok, n in collections.Counter(output_ids).items():
+            row[tok] -= p.frequency_penalty * n + p.presence_penalty
+        for tok, bias in (p.logit_bias or {}).items():
+            row[tok] += bias
     if p.greedy:
         return int(row.argmax().item())
     row = row / p.temperature

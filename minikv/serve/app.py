@@ -70,7 +70,7 @@ from .auth import ApiKeys
 from .limits import Lease, ServeLimits, TenantLimiter
 from .metrics import ServerMetrics
 from .middleware import MetricsMiddleware, QueryStringGuard, install_error_handlers
-from .protocol import APIError, _chat_messages, _completion_prompt, _field, _sampling_params, read_json
+from .protocol import APIError, _chat_messages, check_known_fields, _completion_prompt, _field, _sampling_params, read_json
 from .client_salt import check_tenant_names, client_salt, salted_domain
 from .errors import EngineUnavailable, RequestRejected
 from .routes import add_openai_routes
@@ -201,6 +201,7 @@ def create_app(llm_or_engine, api_keys: ApiKeys | Mapping[str, str], *, model_na
     async def handle(request: Request, chat: bool, tenant: str, lease: Lease):
         """An admitted request (:mod:`minikv.serve.routes`): body, prompt, engine, reply."""
         body = await read_json(request, limits.max_body_bytes)
+        check_known_fields(body, chat)
         model = check_model(body)
         max_chars = limits.prompt_chars(engine.max_model_len)
         if chat:

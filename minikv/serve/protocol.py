@@ -8,8 +8,9 @@ for security and robustness:
   :class:`APIError` (HTTP 400, OpenAI-shaped) here, before the engine sees it, so one malformed
   request never disturbs the batch the others are running in.
 * **Refuse what is not implemented** (``n > 1``, ``best_of``, ``logprobs``, ``echo``,
-  ``suffix``, batched prompts) instead of silently ignoring it: a client that asked for
-  something must not be handed a response that only looks like it.
+  ``suffix``, batched prompts, and any field not in :data:`COMPLETION_FIELDS` /
+  :data:`CHAT_FIELDS`, such as ``tools`` or ``response_format``) instead of silently ignoring
+  it: a client that asked for something must not be handed a response that only looks like it.
 
 Fields that would let a client choose its cache domain (``cache_salt``, ``tenant``, ``user``)
 are simply never read: the tenant comes from the API key (:mod:`minikv.serve.auth`).
@@ -20,7 +21,7 @@ import json
 import math
 from typing import Any
 
-CHAT_ROLES = ("system", "user", "assistant", "developer")
+from ..engine.chat import CHAT_ROLES
 
 
 class APIError(Exception):
@@ -115,6 +116,40 @@ async def read_json(request, max_body_bytes: int) -> dict:
 
 _MISSING = object()
 
+_SHARED_FIELDS = ("model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+                  "ignore_eos", "stream", "stream_options", "n", "logprobs", "top_logprobs",
+                  "presence_penalty", "frequency_penalty", "logit_bias", "user", "cache_salt")
+#: Every field a request may carry; ``user`` is accepted and ignored (it names no one the server
+#: trusts), ``cache_salt`` is read only under ``--trust-client-salt`` (:mod:`.client_salt`).
+COMPLETION_FIELDS = frozenset(_SHARED_FIELDS + ("prompt", "best_of", "echo", "suffix"))
+CHAT_FIELDS = frozenset(_SHARED_FIELDS + ("messages", "max_completion_tokens"))
+
+
+def check_known_fields(body: dict, chat: bool) -> None:
+    """Refuse (400, naming it) the first field this server does not implement."""
+    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    for name in body:
+        if name not in known:
+            raise APIError(400, f"'{name[:64]}' is not supported by this server; remove it from the request",
+                           param=name[:64], code="unsupported_parameter")
+
+
+def _logit_bias(body: dict) -> dict[int, float] | None:
+    """``logit_bias`` off the wire: JSON keys are strings, so {"50256": -100} -> {50256: -100.0};
+    ranges and the vocabulary are checked by ``SamplingParams`` and the engine."""
+    bias = _field(body, "logit_bias", (dict,), None, "an object of token id -> bias")
+    if bias is None:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
+            raise APIError(400, f"logit_bias key {key[:24]!r} is not a token id", param="logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise APIError(400, f"logit_bias[{key}] must be a number, got {type(value).__name__}",
+                           param="logit_bias", code="invalid_type")
+        out[int(key)] = float(value)
+    return out
+
 
 def _field(body: dict, name: str, kinds: tuple, default: Any = None, what: str = "") -> Any:
     value = body.get(name, _MISSING)
@@ -175,9 +210,13 @@ def _sampling_params(body: dict, default_max_tokens: int, max_model_len: int, ch
     if any(len(s) > 256 for s in ([stop] if isinstance(stop, str) else stop or [])):
         raise APIError(400, "a stop string may be at most 256 characters", param="stop")
     ignore_eos = _field(body, "ignore_eos", (bool,), False, "a boolean")
+    stop_ids = _field(body, "stop_token_ids", (list,), None, "a list of token ids")
+    penalties = {name: float(_field(body, name, (int, float), 0.0, "a number"))
+                 for name in ("presence_penalty", "frequency_penalty")}
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=float(temperature), top_p=float(top_p),
-                              top_k=top_k, seed=seed, stop=stop or None, ignore_eos=ignore_eos)
+                              top_k=top_k, seed=seed, stop=stop or None, ignore_eos=ignore_eos,
+                              stop_token_ids=stop_ids, logit_bias=_logit_bias(body), **penalties)
     except (ValueError, TypeError) as exc:
         raise APIError(400, str(exc)) from None
 

@@ -94,21 +94,32 @@ def check_audit_verdict(audit_verdict) -> str:
 
 
 class _Concurrency:
-    """Wraps one engine's scheduler: records the tenants scheduled together in each step."""
+    """Wraps one engine's scheduler: records, per step, which tenants ran together, and which requests
+    ever ran in a step beside another tenant's request (a probe that runs alone tests nothing a batch does)."""
 
     def __init__(self, engine):
         self.max_tenants = 0
         self.steps = 0
+        self.requests: set = set()
+        self.beside_another: set = set()
         original = engine.scheduler.schedule
 
         def schedule():
             batch = original()
-            tenants = {s.tenant for s in batch.prefills + batch.decodes}
+            seqs = batch.prefills + batch.decodes
+            tenants = {s.tenant for s in seqs}
             self.max_tenants = max(self.max_tenants, len(tenants))
             self.steps += 1
+            self.requests.update(s.request_id for s in seqs)
+            if len(tenants) >= 2:
+                self.beside_another.update(s.request_id for s in seqs)
             return batch
 
         engine.scheduler.schedule = schedule
+
+    def alone(self) -> int:
+        """How many requests never shared an engine step with another tenant's request."""
+        return len(self.requests - self.beside_another)
 
 
 @grader("both directions, concurrently: tenants re-send their own documents AND send each other's, in shared "
@@ -129,6 +140,11 @@ def check_isolation_audit(isolation_audit) -> str:
                "'concurrent' probes that never share a scheduler step with the victim)",
                "queue a whole wave at once, e.g. llm.generate(prompts, params, tenant=tenants): isolation must hold "
                "inside a batch, not only between quiet requests.")
+        expect(not conc.alone(),
+               f"{conc.alone()} of the audit's {len(conc.requests)} requests never ran in an engine step beside another "
+               f"tenant's request (engine with {what}) (bug class: 'concurrent' probes that never share a scheduler "
+               "step with the victim -- some wave was sent one request at a time)",
+               "the contract makes BOTH waves concurrent: queue each whole wave, tenants mixed, in one call.")
         true_cross = BS * len(log.cross)
         true_same = BS * len(log.same)
         expect(report.cross_tenant_cached_tokens == true_cross,
@@ -147,6 +163,12 @@ def check_isolation_audit(isolation_audit) -> str:
             expect(true_cross > 0, f"on an engine with {what}, your workload never made one tenant send another "
                    "tenant's prompt, so the leak could not show (bug class: an audit blind to the leak it looks for)",
                    "in wave 2, every tenant must also send ANOTHER tenant's document (what an attacker does).")
+        if want == "pass":
+            expect(true_same > 0, f"on an engine with {what}, your workload never re-sent a tenant's own document, so "
+                   "no same-tenant hit could happen and the audit cannot tell a working isolated cache from a cache "
+                   "that never hits (bug class: no same-tenant control)",
+                   "in wave 2, every tenant must also re-send its OWN document: the hit it gets proves the audit can "
+                   "see hits at all.")
         ref = reference_verdict(name)
         expect(report.verdict == want,
                f"on an engine with {what}, your verdict is {report.verdict!r}; the correct verdict is {want!r} "

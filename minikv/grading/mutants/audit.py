@@ -99,6 +99,35 @@ def audit_grouped_by_tenant(llm, tenants=("alice", "bob", "carol"), doc_blocks=3
     return _report(len(tenants) * 3, cross, same, _good_verdict(cross, same))
 
 
+def audit_second_wave_serial(llm, tenants=("alice", "bob", "carol"), doc_blocks=3, seed=0):
+    """Wave 1 concurrent, but wave 2 -- the cross-tenant probes -- sent one request at a time: a probe
+    never runs beside the victim's re-send, so the leak a batch can cause is never tested."""
+    docs, fresh, bs = _docs(llm, list(tenants), seed)
+    tenants = list(tenants)
+    cross = sum(o.num_cached_tokens for o in llm.generate([docs[t] + fresh(bs) for t in tenants], _AUDIT_PARAMS,
+                                                          tenant=tenants))
+    same = 0
+    for i, u in enumerate(tenants):
+        same += llm.generate([docs[u] + fresh(bs)], _AUDIT_PARAMS, tenant=u)[0].num_cached_tokens
+        other = docs[tenants[(i + 1) % len(tenants)]]
+        cross += llm.generate([other + fresh(bs)], _AUDIT_PARAMS, tenant=u)[0].num_cached_tokens
+    return _report(len(tenants) * 3, cross, same, _good_verdict(cross, same))
+
+
+def audit_no_control(llm, tenants=("alice", "bob", "carol"), doc_blocks=3, seed=0):
+    """Both waves concurrent, the verdict rule right, but wave 2 sends only the cross-tenant probes: with
+    no tenant re-sending its own document the audit can never see a hit, so a working isolated cache
+    reads 'inconclusive'."""
+    docs, fresh, bs = _docs(llm, list(tenants), seed)
+    tenants = list(tenants)
+    outs = llm.generate([docs[t] + fresh(bs) for t in tenants], _AUDIT_PARAMS, tenant=tenants)
+    cross = sum(o.num_cached_tokens for o in outs)
+    outs = llm.generate([docs[tenants[(i + 1) % len(tenants)]] + fresh(bs) for i in range(len(tenants))],
+                        _AUDIT_PARAMS, tenant=tenants)
+    cross += sum(o.num_cached_tokens for o in outs)
+    return _report(len(tenants) * 2, cross, 0, _good_verdict(cross, 0))
+
+
 def audit_everything_cross(llm, tenants=("alice", "bob", "carol"), doc_blocks=3, seed=0):
     """Counts every cached token as cross-tenant: even a tenant's own re-send 'leaks'."""
     docs, fresh, bs = _docs(llm, list(tenants), seed)
@@ -129,7 +158,8 @@ MUTANTS = {
                   ("strict-pass", verdict_strict_pass)),
     "4b": entries(("one-direction", audit_one_direction), ("sequential", audit_sequential),
                   ("grouped-by-tenant", audit_grouped_by_tenant),
-                  ("everything-cross", audit_everything_cross), ("no-copy", audit_no_copy)),
+                  ("everything-cross", audit_everything_cross), ("no-copy", audit_no_copy),
+                  ("second-wave-serial", audit_second_wave_serial), ("no-control", audit_no_control)),
 }
 
 
@@ -138,5 +168,6 @@ DIAGNOSES = {
     ("4a", "strict-pass"): "reported as a leak",
     ("4b", "one-direction"): "one-directional audit", ("4b", "sequential"): "never share a scheduler step",
     ("4b", "grouped-by-tenant"): "never share a scheduler step", ("4b", "everything-cross"): "wrong direction",
-    ("4b", "no-copy"): "blind to the leak",
+    ("4b", "no-copy"): "blind to the leak", ("4b", "second-wave-serial"): "never share a scheduler step",
+    ("4b", "no-control"): "no same-tenant control",
 }

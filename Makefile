@@ -43,7 +43,7 @@ model: kernels
 	@$(PY) -m minikv.models.hub fetch $(MODEL) >/dev/null
 
 kernels: setup
-	@$(PY) -m minikv.engine.paged_cpu
+	@$(PY) -m minikv.backends.cpu_kernels
 
 chromium:
 	@bash scripts/ensure_chromium.sh

@@ -50,7 +50,7 @@ from .bench_base import completed, hit_rate_vs_tenants, random_prompts, resident
 from .bench_engine import count_ops, decode_ops, format_engine, format_machine, machine_info, op_totals, throughput
 from .bench_prefill import prefill_efficiency, weight_pass_s
 from .engine import SamplingParams
-from .engine.host_memory import give_back_freed_memory
+from .backends.host_memory import give_back_freed_memory
 from .llm import LLM
 from .models.hub import resolve_model
 

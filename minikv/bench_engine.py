@@ -30,8 +30,8 @@ import torch
 from .bench_base import completed, random_prompts, resident, sync, timed
 from .bench_prefill import format_prefill
 from .engine import SamplingParams
-from .engine.cuda_graphs import REPLAY
-from .engine.matmuls import amx_available
+from .backends.cuda_graphs import REPLAY
+from .backends.matmuls import amx_available
 
 BATCH_FOR_OPS = 16
 
@@ -92,7 +92,7 @@ def throughput(llm, model_path, n=16, max_tokens=64, seed=0, repeats=2) -> dict:
         return lambda: sum(len(o.outputs[0].token_ids) for o in completed(engine_llm.generate(prompts, params)))
 
     engines = {"minikv": llm}
-    if eng.attention_backend == "paged":  # what the C++ kernels buy, side by side in the same run
+    if eng.attention_backend == "cpu_kernels":  # what the C++ kernels buy, side by side in the same run
         engines["fused"] = llm.fork(attention_backend="fused")
     engines["reference"] = ref
     for e in engines.values():
@@ -122,7 +122,7 @@ def throughput(llm, model_path, n=16, max_tokens=64, seed=0, repeats=2) -> dict:
 
 
 def _is_op(name: str) -> bool:
-    """A dispatched operator: ATen's, oneDNN's packed matmuls (``matmuls.PackedMatmuls``) or minikv's C++ ops (``paged_cpu.py``: attention, norms, the few-row matmul)."""
+    """A dispatched operator: ATen's, oneDNN's packed matmuls (``matmuls.PackedMatmuls``) or minikv's C++ ops (``minikv/backends/cpu_kernels.py``: attention, norms, the few-row matmul)."""
     return name.startswith(("aten::", "mkldnn::", "minikv::"))
 
 
@@ -183,8 +183,8 @@ def decode_ops(llm) -> dict:
     dispatches then, and the kernels the replay runs."""
     runs = {"reference": dict(attention_backend="reference", enforce_eager=True),
             "fused": dict(attention_backend="fused", enforce_eager=True)}
-    if llm.engine.attention_backend == "paged":  # the C++ kernel is built here: count it too
-        runs["paged"] = dict(attention_backend="paged", enforce_eager=True)
+    if llm.engine.attention_backend == "cpu_kernels":  # the C++ kernels are built here: count them too
+        runs["cpu_kernels"] = dict(attention_backend="cpu_kernels", enforce_eager=True)
     if llm.engine.device.type == "cuda":
         runs["graphs"] = dict(attention_backend="fused", enforce_eager=False)
     out = {name: op_totals(count_decode_ops(llm.fork(**overrides).engine)) for name, overrides in runs.items()}
@@ -226,7 +226,7 @@ def format_engine(report: dict) -> list[str]:
     lines += format_prefill(report.get("prefill_by_dtype", {}), target)
     if "ops" in report:
         o = report["ops"]
-        for backend in [b for b in ("reference", "fused", "paged", "graphs") if b in o]:
+        for backend in [b for b in ("reference", "fused", "cpu_kernels", "graphs") if b in o]:
             kernels = o[backend]["cuda_kernels"]
             lines.append(f"  ops (ATen + oneDNN + minikv) per decode step (batch {o['batch']}) {backend:<9} {o[backend]['ops']:6d}"
                          f"   casts {o[backend]['casts']:4d}" + (f"   CUDA kernels {kernels}" if kernels else "")

@@ -134,7 +134,7 @@ def run_scan(path: str, device: str, dtypes=("bfloat16", "float32"), lengths=LEN
         if miss is not None:
             f = flop_floor_ms(llm.engine.model, floor_length + TAIL)
             floor = {"length": floor_length, "miss_ms": miss["miss_ms"], "floor_ms": f, "ratio": miss["miss_ms"] / f}
-        g = llm.engine.prefill_graphs  # on CUDA (fused, triton) every request above was a replay
+        g = getattr(llm.engine.backend, "prefill_graphs", None)  # on CUDA (fused, triton) every request above was a replay
         graphs = None if g is None else {"captures": g.captures, "replays": g.replays,
                                          "requests": len(lengths) * (2 * pairs + 3)}
         out[dtype] = {"rows": rows, "floor": floor, "prefill_graphs": graphs}

@@ -22,6 +22,7 @@ import weakref
 import numpy as np
 
 from .audit.trail import AuditTrail
+from .backends import make_backend
 from .engine.chat import render_chat
 from .engine.config import EngineConfig, resolve_device
 from .engine.engine import LLMEngine
@@ -29,6 +30,7 @@ from .engine.loader import load_model, resolve_dtype
 from .engine.outputs import RequestOutput
 from .engine.sampling import SamplingParams
 from .models.hub import resolve_model
+from .sharing import attach_sharing
 from .tiers import attach_tiers, parse_tiers
 
 
@@ -82,7 +84,8 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     device = resolve_device(config.device)  # a missing device fails here, before the weights load
     parse_tiers(config.kv_tiers)  # likewise a bad tier spec (checked, not connected)
     weights = shared_weights(resolve_model(config.model), resolve_dtype(config.dtype, device), device)
-    return LLMEngine(config, weights=weights, open_trail=open_trail, attach=(attach_tiers,))
+    return LLMEngine(config, weights=weights, open_trail=open_trail, make_backend=make_backend,
+                     attach=(attach_tiers, attach_sharing))
 
 
 def _as_prompt_list(prompts) -> list:

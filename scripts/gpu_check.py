@@ -143,7 +143,7 @@ def check_correctness(path: Path, device: str = "cuda") -> list[tuple[str, bool,
             attempt(results, "greedy tokens fp32 (fused, batch of 4) == transformers", greedy)
 
             def graphs():  # those decode steps ran as CUDA graph replays (cuda_graphs.py)
-                g = llm.engine.graphs if llm is not None else None
+                g = llm.engine.backend.graphs if llm is not None else None
                 return (g is not None and g.replays > 0,
                         f"{g.captures} captures, {g.replays} replays" if g is not None else "no graph runner")
             if device == "cuda":  # the CPU never captures graphs: nothing to check in a dry run

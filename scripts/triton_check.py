@@ -26,7 +26,7 @@ import torch
 
 from minikv.engine.attention import AttentionMetadata, PrefillItem, paged_attention as reference
 from minikv.engine.kv_pool import KVPool, slot_of
-from minikv.engine.paged_triton import paged_attention
+from minikv.backends.paged_triton import paged_attention
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 2e-2}

@@ -70,7 +70,7 @@ def _release_memory_after_each_module(request):
             if callable(getattr(value, "cache_clear", None)) and hasattr(value, "__wrapped__"):
                 value.cache_clear()
     gc.collect()
-    from minikv.engine.host_memory import give_back_freed_memory
+    from minikv.backends.host_memory import give_back_freed_memory
     give_back_freed_memory()
     log = os.environ.get("MINIKV_RSS_LOG")
     if log:  # scripts/measure.py --rss-log reads it when make test misses its memory budget

@@ -16,20 +16,19 @@ import torch
 from minikv import LLM
 from minikv.bench_engine import count_decode_ops as decode_step_ops  # what the benchmark prints
 from minikv.engine import SamplingParams
-from minikv.engine.attention_backends import ATTENTION_BACKENDS, BACKENDS, resolve_backend
-from minikv.engine.model_runner import FORWARDS
+from minikv.backends.registry import ATTENTION_BACKENDS, BACKENDS, FUSED, resolve_backend
 from tests.engine_helpers import assert_traces_close
 
 from tests.paged_kernel import KERNEL_BUILT  # builds the C++ kernel where a compiler exists
 
 TOL = 1e-4  # of the largest absolute logit
-# The fused backend, and the same with decodes in the C++ kernel ("paged", CPU only)
-FUSED_RUNS = [("cpu", "fused"), ("cpu", "paged")] + ([("cuda", "fused")] if torch.cuda.is_available() else [])
+# The fused backend, and the same with decodes in the C++ kernel ("cpu_kernels", CPU only)
+FUSED_RUNS = [("cpu", "fused"), ("cpu", "cpu_kernels")] + ([("cuda", "fused")] if torch.cuda.is_available() else [])
 needs_kernel = pytest.mark.skipif(not KERNEL_BUILT, reason="no C++ compiler: the paged kernel is not built")
 
 
 def _runs():
-    return [pytest.param(d, b, marks=needs_kernel) if b == "paged" else (d, b) for d, b in FUSED_RUNS]
+    return [pytest.param(d, b, marks=needs_kernel) if b == "cpu_kernels" else (d, b) for d, b in FUSED_RUNS]
 
 
 def _engines(device, dtype="float32", backend="fused"):
@@ -126,13 +125,13 @@ def test_fused_score_matches_reference_at_every_position(device, backend):
     assert (a - b).abs().max().item() <= TOL * a.abs().max().item()
 
 
-@pytest.mark.parametrize("backend", ["fused", pytest.param("paged", marks=needs_kernel)])
+@pytest.mark.parametrize("backend", ["fused", pytest.param("cpu_kernels", marks=needs_kernel)])
 def test_decodes_of_very_different_lengths_split_into_two_groups(monkeypatch, backend):
     """Short and long contexts decoding together: the fused plan orders decode rows by context
     length and splits them into two groups (a short one no longer pays for the long one's
     width).  The paged kernel pads nothing, so there all eight form one group.  Logits still
     match the reference row for row, in the caller's order."""
-    import minikv.engine.model_runner as mr
+    import minikv.backends.fused as mr
 
     ref = LLM("tiny-random", device="cpu", dtype="float32", attention_backend="reference", num_blocks=256)
     fused = ref.fork(attention_backend=backend).engine
@@ -179,7 +178,7 @@ def test_fused_bf16_on_cuda_stays_close_to_reference():
 
 
 def test_backend_registry_names_agree_and_auto_never_means_a_compiler():
-    assert set(BACKENDS) == set(FORWARDS) and ATTENTION_BACKENDS == (*BACKENDS, "auto")
+    assert set(BACKENDS) == {"reference", *FUSED} and ATTENTION_BACKENDS == (*BACKENDS, "auto")
     assert resolve_backend("auto", "cpu") in BACKENDS and resolve_backend("reference", "cpu") == "reference"
     with pytest.raises(ValueError, match="attention_backend='flex'"):
         resolve_backend("flex", "cpu")
@@ -207,6 +206,7 @@ def _with_layers(engine, n: int, backend: str):
     """An engine on the first ``n`` layers of ``engine``'s model (same weights, no copy)."""
     import dataclasses
 
+    from minikv.backends import make_backend
     from minikv.engine.engine import LLMEngine
     from minikv.engine.model import LlamaModel
 
@@ -214,7 +214,7 @@ def _with_layers(engine, n: int, backend: str):
     cut = LlamaModel(dataclasses.replace(m.shape, num_layers=n), m.embed, m.layers[:n], m.norm, m.lm_head,
                      m.inv_freq, m.rope_scale)
     cfg = dataclasses.replace(engine.config, attention_backend=backend, device="cpu", dtype=m.dtype)
-    return LLMEngine(cfg, weights=(cut, engine.tokenizer, engine.hf_config))
+    return LLMEngine(cfg, weights=(cut, engine.tokenizer, engine.hf_config), make_backend=make_backend)
 
 
 def test_fused_decode_step_costs_fewer_ops_per_layer_and_no_casts():
@@ -272,7 +272,7 @@ def test_paged_decode_step_is_one_kernel_call_per_layer():
     layer (SmolLM2's 30 layers then cost at most 420 of the 500 the issue allows; the
     whole-step count on SmolLM2 itself is in test_paged_kernel.py)."""
     ref, _ = _engines("cpu")
-    one, two = (decode_step_ops(_with_layers(ref, n, "paged")) for n in (1, 2))
+    one, two = (decode_step_ops(_with_layers(ref, n, "cpu_kernels")) for n in (1, 2))
     p = {k: two.get(k, 0) - one.get(k, 0) for k in set(one) | set(two)}
     assert p.get("minikv::paged_decode") == 1, p
     assert all(p.get(k, 0) == 0 for k in ("aten::index_select", "aten::as_strided",

@@ -19,20 +19,20 @@ def test_bench_report_holds_every_figure_beside_its_ratio(tmp_path, capsys):
                  "--dtypes", "float32,bfloat16", "--requests", "4", "--max-tokens", "8", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     text = capsys.readouterr().out
-    from minikv.engine import paged_cpu
+    from minikv.backends import cpu_kernels
 
-    auto = "paged" if paged_cpu.available() else "fused"  # what attention_backend="auto" runs here
+    auto = "cpu_kernels" if cpu_kernels.available() else "fused"  # what attention_backend="auto" runs here
     assert set(report["throughput_by_dtype"]) == set(report["prefill_by_dtype"]) == {"float32", "bfloat16"}
     for dtype, t in report["throughput_by_dtype"].items():
-        sides = ("minikv", "fused", "reference", "transformers") if auto == "paged" else ("minikv", "reference", "transformers")
-        assert ("fused_tokens_per_s" in t) == (auto == "paged")  # the kernel's gain, measured beside it
+        sides = ("minikv", "fused", "reference", "transformers") if auto == "cpu_kernels" else ("minikv", "reference", "transformers")
+        assert ("fused_tokens_per_s" in t) == (auto == "cpu_kernels")  # the kernel's gain, measured beside it
         for side in sides:
             rate = t[f"{side}_tokens_per_s"]
             assert math.isfinite(rate) and rate > 0, (dtype, side)
             assert f"{rate:8.1f} tok/s" in text
         assert math.isclose(t["throughput_ratio"], t["minikv_tokens_per_s"] / t["transformers_tokens_per_s"])
         assert math.isclose(t["reference_ratio"], t["reference_tokens_per_s"] / t["transformers_tokens_per_s"])
-        if auto == "paged":
+        if auto == "cpu_kernels":
             assert math.isclose(t["fused_ratio"], t["fused_tokens_per_s"] / t["transformers_tokens_per_s"])
         assert t["backend"] == auto and t["repeats"] >= 2 and t["load_before"] >= 0
         assert t["requests"] == 4 and t["tokens_per_request"] == 8
@@ -73,10 +73,10 @@ def test_bench_report_holds_every_figure_beside_its_ratio(tmp_path, capsys):
     ops = report["ops"]
     assert ops["batch"] == 16 and 0 < ops["fused"]["ops"] < ops["reference"]["ops"]
     assert ops["fused"]["casts"] < ops["reference"]["casts"]
-    assert ops["default"] == auto and (auto == "paged") == ("paged" in ops)
-    if auto == "paged":  # decode attention in one kernel call per layer, no gather, no mask
-        assert ops["paged"]["ops"] < ops["fused"]["ops"]
-    for backend in ("reference", "fused") + (("paged",) if auto == "paged" else ()):
+    assert ops["default"] == auto and (auto == "cpu_kernels") == ("cpu_kernels" in ops)
+    if auto == "cpu_kernels":  # decode attention in one kernel call per layer, no gather, no mask
+        assert ops["cpu_kernels"]["ops"] < ops["fused"]["ops"]
+    for backend in ("reference", "fused") + (("cpu_kernels",) if auto == "cpu_kernels" else ()):
         assert f"{backend:<9} {ops[backend]['ops']:6d}" in text
     assert f"{auto:<9} {ops[auto]['ops']:6d}   casts {ops[auto]['casts']:4d}   target <= 500" in text
     # issue 11's targets are the CPU's: a GPU report prints each one as "CPU target", none as its own
@@ -119,7 +119,7 @@ def test_a_benchmark_whose_requests_fail_stops_instead_of_timing_them(monkeypatc
     requests that had all failed.  Here every fused/paged forward raises, as that path did."""
     import pytest
 
-    from minikv.engine import attention_fused
+    from minikv.backends import attention_fused
 
     def broken(*args, **kwargs):
         raise RuntimeError("view size is not compatible with input tensor's size and stride")

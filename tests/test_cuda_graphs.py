@@ -21,7 +21,7 @@ import torch
 from minikv import LLM
 from minikv.engine import SamplingParams
 from minikv.engine.args import add_engine_arguments, engine_kwargs_from_args
-from minikv.engine.cuda_graphs import INPUTS, DecodeGraphRunner, batch_buckets, bucket, width_buckets
+from minikv.backends.cuda_graphs import INPUTS, DecodeGraphRunner, batch_buckets, bucket, width_buckets
 from tests.engine_helpers import assert_traces_close
 
 TOL = 1e-4  # of the largest absolute logit, as tests/test_attention_fused.py
@@ -35,7 +35,7 @@ def _pair(device, dtype="float32", capture=None):
     eager = base.fork(enforce_eager=True).engine
     graph = base.engine
     if capture is not None:  # CPU: force the runner in, with the strategy given
-        graph.graphs = DecodeGraphRunner(graph, capture=capture)
+        graph.backend.graphs = DecodeGraphRunner(graph, capture=capture)
     return graph, eager
 
 
@@ -120,13 +120,13 @@ def _spy(runner):
 
 def test_graph_runner_matches_the_eager_fused_path_with_padding_and_width_buckets():
     graph, eager = _pair("cpu", capture="eager")
-    seen = _spy(graph.graphs)
+    seen = _spy(graph.backend.graphs)
     trace_g, tokens_g, checks = _drive(graph)
     trace_e, tokens_e, _ = _drive(eager)
     assert not [x for x in seen if x[1] == "bad tables"]
     _compare(trace_g, tokens_g, trace_e, tokens_e)
     # the schedule exercised what it claims: padded batches 3 -> 4 and 5 -> 8, widths crossing buckets
-    r = graph.graphs
+    r = graph.backend.graphs
     assert {b for b, _ in seen} >= {3, 5} and {(3, 4), (5, 8)} <= {(b, bucket(r.batch_sizes, b)) for b, _ in seen}
     assert len({bucket(r.widths, w) for b, w in seen if b == 3}) >= 2
     assert len(seen) < len(trace_g)  # the steps with a prefill ran the eager path
@@ -142,19 +142,19 @@ def test_graph_runner_matches_the_eager_fused_path_with_padding_and_width_bucket
 def test_a_bucket_is_captured_once_and_reused():
     graph, _ = _pair("cpu", capture="eager")
     made = []
-    strategy = graph.graphs.capture
-    graph.graphs.capture = lambda fn: made.append(fn) or strategy(fn)
+    strategy = graph.backend.graphs.capture
+    graph.backend.graphs.capture = lambda fn: made.append(fn) or strategy(fn)
     p = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     for i in range(3):
         graph.add_request(f"r{i}", [5 + i, 6, 7, 8], p)  # decode contexts 5-9 tokens: 2 blocks, 3 -> 4 rows
     while graph.has_unfinished_requests():
         graph.step()
-    assert [k for k in graph.graphs.graphs] == [(4, 2)] and len(made) == graph.graphs.captures == 1
-    assert graph.graphs.replays == 4  # five tokens: one from the prefill, four decode-only steps
+    assert [k for k in graph.backend.graphs.graphs] == [(4, 2)] and len(made) == graph.backend.graphs.captures == 1
+    assert graph.backend.graphs.replays == 4  # five tokens: one from the prefill, four decode-only steps
 
 
 def test_engines_off_cuda_or_eager_have_no_runner_and_buckets_have_vllms_form():
-    assert LLM("tiny-random", device="cpu").engine.graphs is None
+    assert LLM("tiny-random", device="cpu").engine.backend.graphs is None
     cpu = LLM("tiny-random", device="cpu", attention_backend="fused").engine
 
     def fake(**kw):  # an engine that claims CUDA: nothing touches the device before the first step
@@ -196,12 +196,12 @@ def test_cuda_graphs_match_the_eager_fused_path(dtype, tol):
     """Real graphs: the runner is there by default on CUDA, captures, replays and agrees (bf16:
     within 2% of the largest logit, as the fused-vs-reference bf16 test; tokens may then differ)."""
     graph, eager = _pair("cuda", dtype)
-    assert isinstance(graph.graphs, DecodeGraphRunner) and eager.graphs is None
-    seen = _spy(graph.graphs)
+    assert isinstance(graph.backend.graphs, DecodeGraphRunner) and eager.backend.graphs is None
+    seen = _spy(graph.backend.graphs)
     trace_g, tokens_g, checks = _drive(graph)
     trace_e, tokens_e, _ = _drive(eager)
     assert not [x for x in seen if x[1] == "bad tables"]
-    r = graph.graphs
+    r = graph.backend.graphs
     print(f"cuda graphs {dtype}: {r.captures} captures, {r.replays} replays")
     assert r.captures == len(r.graphs) >= 2 and r.replays == len(seen) > r.captures
     assert checks == {"pad_zero": True, "scratch_in_table": False}

@@ -28,8 +28,8 @@ DECODE_TOL = 2e-4
 # whole model the logits of transformers itself drift from fp32 by up to ~5% of the largest
 # logit (measured 0.55-1.35 on SmolLM2 logits of 27-36).  minikv must stay within 8% of fp32.
 BF16_TOL = 0.08
-# "paged": the fused backend with decodes in the C++ kernel (built where a compiler exists)
-BACKENDS = ["reference", "fused", pytest.param("paged", marks=pytest.mark.skipif(not KERNEL_BUILT, reason="kernel not built"))]
+# "cpu_kernels": the fused backend with decodes in the C++ kernel (built where a compiler exists)
+BACKENDS = ["reference", "fused", pytest.param("cpu_kernels", marks=pytest.mark.skipif(not KERNEL_BUILT, reason="kernel not built"))]
 
 PROMPTS = [
     "The capital of France is",

@@ -1,4 +1,4 @@
-"""``minikv.engine.host_memory``: a CPU engine keeps freed memory (counted in page faults, not timed).
+"""``minikv.backends.host_memory``: a CPU engine keeps freed memory (counted in page faults, not timed).
 
 Each check runs in a fresh process, since the allocator's settings belong to the whole process:
 build a CPU engine (or not), then allocate and free a 64 MiB tensor and allocate a 48 MiB one (sizes
@@ -20,7 +20,7 @@ import json, resource, sys, torch
 if sys.argv[1] == "engine":
     from minikv import LLM
     LLM("tiny-random", dtype="float32", device="cpu")
-from minikv.engine import host_memory
+from minikv.backends import host_memory
 def touch(mib):
     t = torch.empty(mib * 256 * 1024, dtype=torch.float32)
     t.fill_(1.0)
@@ -89,7 +89,7 @@ def test_a_dead_pool_gives_its_memory_back_despite_the_kept_heap(dtype):
 def test_mapped_zeros_is_a_writable_zero_tensor_of_the_asked_shape():
     import torch
 
-    from minikv.engine.host_memory import mapped_zeros
+    from minikv.backends.host_memory import mapped_zeros
 
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         t = mapped_zeros((3, 5, 7), dtype)
@@ -113,7 +113,7 @@ def test_populate_faults_every_page_in_and_changes_no_byte(monkeypatch, how):
     page.  Counted in page faults, not timed.  ``touch`` is the fallback where madvise refuses."""
     import torch
 
-    from minikv.engine import host_memory
+    from minikv.backends import host_memory
 
     if how == "touch":  # an advice number no kernel knows: madvise fails with EINVAL
         monkeypatch.setattr(host_memory, "MADV_POPULATE_WRITE", 12345)
@@ -131,7 +131,7 @@ def test_populate_faults_every_page_in_and_changes_no_byte(monkeypatch, how):
 def test_populate_refuses_a_strided_tensor_by_its_strides():
     import torch
 
-    from minikv.engine.host_memory import mapped_zeros, populate
+    from minikv.backends.host_memory import mapped_zeros, populate
 
     with pytest.raises(ValueError, match=r"contiguous.*\(1, 4\)"):
         populate(mapped_zeros((4, 4), torch.float32).t())
@@ -140,9 +140,10 @@ def test_populate_refuses_a_strided_tensor_by_its_strides():
 def test_a_prefaulted_pool_keeps_its_blocks():
     import torch
 
+    from minikv.backends.host_memory import HOST_MEMORY
     from minikv.engine.kv_pool import KVPool
 
-    pool = KVPool(2, 8, 4, 2, 8, torch.float32, "cpu")
+    pool = KVPool(2, 8, 4, 2, 8, torch.float32, "cpu", memory=HOST_MEMORY)
     pool.k_cache[0, 3] = 1.5
     pool.v_cache[1, 5] = -2.0
     k, v = pool.k_cache.clone(), pool.v_cache.clone()
@@ -153,7 +154,7 @@ def test_a_prefaulted_pool_keeps_its_blocks():
 
 TRIM_CODE = r"""
 import json, sys, torch
-from minikv.engine import host_memory
+from minikv.backends import host_memory
 def rss_mib():
     with open("/proc/self/statm") as fh:
         return int(fh.read().split()[1]) * 4096 >> 20

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from minikv.engine.attention_fused import _read
-from minikv.engine.fused_plan import Group, decode_mask
+from minikv.backends.attention_fused import _read
+from minikv.backends.fused_plan import Group, decode_mask
 from minikv.engine.kv_pool import KVPool
 
 LAYERS, BLOCKS, BS, KV, D = 2, 6, 4, 3, 8

@@ -23,7 +23,9 @@ PACKAGE = ROOT / "minikv"
 LAYERS = (
     ("minikv._lazy", "minikv.home", "minikv.security"),  # primitives: no minikv imports but these
     ("minikv.engine", "minikv.models"),             # the engine; where checkpoints come from
-    ("minikv.audit.trail", "minikv.tiers"),         # the recorder the engine is handed; KV tiers below its pool
+    # what the composition root (minikv.llm) plugs into the engine: the recorder; KV tiers below its
+    # pool; the fast paths behind model_runner.Backend; the selective-sharing strategies
+    ("minikv.audit.trail", "minikv.tiers", "minikv.backends", "minikv.sharing"),
     ("minikv.llm",),                                # the front door: composes the three above
     ("minikv.audit", "minikv.serve", "minikv.attacks"),  # tools that drive or read an engine
     ("minikv.viz", "minikv.edge", "minikv.grading", "minikv.gateway"),  # built on those tools
@@ -120,6 +122,39 @@ def test_the_engine_imports_neither_audit_nor_serve_nor_the_model_hub():
            for line, t in imports(src, m, pkg, known)
            if unit_of(t) in ("minikv.audit", "minikv.audit.trail", "minikv.serve", "minikv.models")]
     assert not bad, bad
+
+
+#: what the engine is handed, never imports: the textbook path stays readable on its own
+PLUGGED_IN = ("minikv.backends", "minikv.tiers", "minikv.sharing")
+
+
+def plugged_in_imports(sources: dict[str, tuple[str, bool]]) -> list[str]:
+    """Every import of a backend, a KV tier or a sharing strategy by a module of ``minikv.engine``."""
+    known = set(sources)
+    return [f"{m} line {line} imports {t}" for m, (src, pkg) in sorted(sources.items())
+            if unit_of(m) == "minikv.engine"
+            for line, t in imports(src, m, pkg, known) if unit_of(t) in PLUGGED_IN]
+
+
+def test_the_engine_imports_no_backend_tier_or_sharing_strategy():
+    assert all(u in LAYER for u in PLUGGED_IN)
+    bad = plugged_in_imports(package_sources())
+    assert not bad, "the engine is handed these (minikv.llm composes them), it never imports them:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("module,source,culprit", [
+    ("minikv.engine.model_runner", "from ..backends.fused import FusedBackend\n", "line 1 imports minikv.backends.fused"),
+    ("minikv.engine.engine", "def f():\n    import minikv.backends.cpu_kernels\n", "line 2 imports minikv.backends.cpu_kernels"),
+    ("minikv.engine.kv_pool", "from minikv.backends import host_memory\n", "line 1 imports minikv.backends.host_memory"),
+    ("minikv.engine.block_manager", "from ..tiers import attach_tiers\n", "line 1 imports minikv.tiers"),
+    ("minikv.engine.engine", "from ..sharing import make_sharing\n", "line 1 imports minikv.sharing"),
+])
+def test_a_planted_backend_tier_or_sharing_import_in_the_engine_is_named(module, source, culprit):
+    sources = package_sources()
+    sources[module] = (source, False)
+    found = plugged_in_imports(sources)
+    assert any(f == f"{module} {culprit}" for f in found), found
+    assert any(f.startswith(f"{module} {culprit}:") for f in violations(sources)), "the layer check names it too"
 
 
 @pytest.mark.parametrize("module,source,culprit", [

@@ -1,4 +1,4 @@
-"""The fused forward's two matmul implementations (``minikv/engine/matmuls.py``) agree.
+"""The fused forward's two matmul implementations (``minikv/backends/matmuls.py``) agree.
 
 Packed oneDNN weights are an optimisation, never a different model: on the same engine, the
 packed and the dense path must give the same greedy tokens and logits within the tolerance of
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from minikv import LLM, SamplingParams
-from minikv.engine import matmuls
-from minikv.engine.matmuls import DenseMatmuls, PackedMatmuls, matmuls_for
+from minikv.backends import matmuls
+from minikv.backends.matmuls import DenseMatmuls, PackedMatmuls, matmuls_for
 from tests.engine_helpers import assert_traces_close
 
 needs_packing = pytest.mark.skipif(not matmuls._packing_available(), reason="this torch has no oneDNN packing ops")

@@ -25,7 +25,7 @@ import sys
 import pytest
 import torch
 
-from minikv.engine.attention_backends import KERNEL_HEAD_DIMS, resolve_backend
+from minikv.backends.registry import KERNEL_HEAD_DIMS, resolve_backend
 from tests.paged_kernel import HAS_COMPILER, KERNEL_BUILT
 
 pytestmark = pytest.mark.skipif(not KERNEL_BUILT, reason="no C++ compiler: the paged kernel is not built")
@@ -135,31 +135,43 @@ def test_bad_input_is_refused_with_the_bad_value_named(change, message):
 
 
 def test_registry_rules_for_the_kernel():
-    assert resolve_backend("auto", "cpu", 64, "float32") == "paged"
-    assert resolve_backend("auto", "cpu", 64, "bfloat16") == "paged"
+    assert resolve_backend("auto", "cpu", 64, "float32") == "cpu_kernels"
+    assert resolve_backend("auto", "cpu", 64, "bfloat16") == "cpu_kernels"
     assert resolve_backend("auto", "cuda", 64, "float32") == "fused"  # the kernel is CPU code
     assert resolve_backend("auto", "cpu", 24, "float32") == "fused"  # a head dim it has no instance for
     assert resolve_backend("auto", "cpu", 64, "float16") == "fused"
     assert set(KERNEL_HEAD_DIMS) == {16, 32, 64, 128, 256}
-    with pytest.raises(ValueError, match="attention_backend='paged' is minikv's CPU kernel; on 'cuda'"):
-        resolve_backend("paged", "cuda", 64, "float32")
+    with pytest.raises(ValueError, match="attention_backend='cpu_kernels' is minikv's CPU kernels; on 'cuda'"):
+        resolve_backend("cpu_kernels", "cuda", 64, "float32")
     with pytest.raises(ValueError, match="head_dim 24 is not one of"):
-        resolve_backend("paged", "cpu", 24, "float32")
+        resolve_backend("cpu_kernels", "cpu", 24, "float32")
+
+
+def test_the_old_name_paged_is_refused_naming_the_new_one():
+    """``"paged"`` was this backend's name; it now says what it is (``"cpu_kernels"``), and the old
+    name fails at once, in one line naming the new one, from the config and from the registry."""
+    from minikv import LLM
+
+    for refuse in (lambda: resolve_backend("paged", "cpu", 64, "float32"),
+                   lambda: LLM("tiny-random", device="cpu", attention_backend="paged")):
+        with pytest.raises(ValueError) as err:
+            refuse()
+        assert str(err.value) == "attention_backend='paged' is now called 'cpu_kernels'"
 
 
 def test_auto_never_compiles(tmp_path):
     """In a fresh process whose kernel cache is empty, ``auto`` means ``fused`` and nothing is
-    built: only set-up (``make model``) or an explicit ``python -m minikv.engine.paged_cpu``
+    built: only set-up (``make model``) or an explicit ``python -m minikv.backends.cpu_kernels``
     compiles."""
     env = dict(os.environ, MINIKV_HOME=str(tmp_path))
-    code = ("from minikv.engine.attention_backends import resolve_backend\n"
+    code = ("from minikv.backends.registry import resolve_backend\n"
             "print(resolve_backend('auto', 'cpu', 64, 'float32'))\n"
-            "try:\n    resolve_backend('paged', 'cpu', 64, 'float32')\n"
+            "try:\n    resolve_backend('cpu_kernels', 'cpu', 64, 'float32')\n"
             "except RuntimeError as e:\n    print('refused:', e)\n")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert lines[0] == "fused" and lines[1].startswith("refused:") and "python -m minikv.engine.paged_cpu" in lines[1]
+    assert lines[0] == "fused" and lines[1].startswith("refused:") and "python -m minikv.backends.cpu_kernels" in lines[1]
     assert not (tmp_path / "kernels").exists()
 
 
@@ -167,7 +179,7 @@ def test_auto_never_compiles(tmp_path):
 def test_a_changed_source_is_a_different_build(tmp_path, monkeypatch):
     """The cached library's name hashes the source (and torch, compiler, CPU): an edited kernel
     is never served by a stale build."""
-    from minikv.engine import kernel_build as kb
+    from minikv.backends import kernel_build as kb
 
     monkeypatch.setenv("MINIKV_HOME", str(tmp_path))
     first = kb.library_path()
@@ -194,7 +206,7 @@ def test_prune_deletes_only_builds_unused_for_the_stale_period(tmp_path):
     nothing has built or loaded for ``STALE_AFTER_DAYS``, and nothing else: not the build it
     keeps, not a recently loaded one (another venv's), not a build being written now, not a
     file that is not a build."""
-    from minikv.engine import kernel_build as kb
+    from minikv.backends import kernel_build as kb
 
     now, day = 1_000_000_000.0, 86400
     old, recent = now - (kb.STALE_AFTER_DAYS + 1) * day, now - (kb.STALE_AFTER_DAYS - 1) * day
@@ -242,7 +254,7 @@ def test_a_build_compiles_every_source_at_once_links_them_and_prunes_stale_build
     """``build`` compiles each source on its own (``-c``), two at a time at least (the stand-in
     compiler's meeting point), links every object into the library, and prunes the stale builds
     beside it once its own is in place."""
-    from minikv.engine import kernel_build as kb
+    from minikv.backends import kernel_build as kb
 
     _fake_compiler(tmp_path, monkeypatch)
     monkeypatch.setattr(kb, "jobs", lambda: 2)  # the meeting needs two at once, even on one core
@@ -266,7 +278,7 @@ def test_a_build_compiles_every_source_at_once_links_them_and_prunes_stale_build
 def test_a_failed_build_names_the_source_and_leaves_nothing_to_load(tmp_path, monkeypatch):
     """A source that does not compile: ``RuntimeError`` naming it, with the compiler's message;
     no library and no half-written file where ``available()`` would look."""
-    from minikv.engine import kernel_build as kb
+    from minikv.backends import kernel_build as kb
 
     _fake_compiler(tmp_path, monkeypatch, fail="pointwise.cpp")
     monkeypatch.setattr(kb, "jobs", lambda: 2)
@@ -277,7 +289,7 @@ def test_a_failed_build_names_the_source_and_leaves_nothing_to_load(tmp_path, mo
 
 
 def test_jobs_is_one_per_usable_core_and_at_most_one_per_source(monkeypatch):
-    from minikv.engine import kernel_build as kb
+    from minikv.backends import kernel_build as kb
 
     for cores, want in ((1, 1), (2, 2), (64, len(kb.SOURCES))):
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
@@ -287,9 +299,9 @@ def test_jobs_is_one_per_usable_core_and_at_most_one_per_source(monkeypatch):
 def test_python_and_the_library_agree_on_the_head_dims():
     """The registry decides ``auto`` before the library is loaded, so it keeps its own list;
     the library's dispatch and checks read one C++ list, which it reports."""
-    from minikv.engine import paged_cpu
+    from minikv.backends import cpu_kernels
 
-    assert paged_cpu.head_dims() == KERNEL_HEAD_DIMS
+    assert cpu_kernels.head_dims() == KERNEL_HEAD_DIMS
 
 
 def test_smollm2_decode_step_dispatches_at_most_500_ops(smollm2_path):
@@ -300,7 +312,7 @@ def test_smollm2_decode_step_dispatches_at_most_500_ops(smollm2_path):
     from minikv.bench_engine import count_decode_ops
 
     llm = LLM(str(smollm2_path), dtype="bfloat16", enforce_eager=True)
-    assert llm.engine.attention_backend == "paged"  # what auto picks with the kernel built
+    assert llm.engine.attention_backend == "cpu_kernels"  # what auto picks with the kernel built
     counts = count_decode_ops(llm.engine)
     assert counts["minikv::paged_decode"] == llm.engine.model.shape.num_layers
     assert counts["minikv::rms_norm"] == 2 * llm.engine.model.shape.num_layers + 1  # and the final norm
@@ -315,7 +327,7 @@ def test_engine_tokens_match_reference_on_a_random_batch():
     from minikv.engine import SamplingParams
 
     ref = LLM("tiny-random", attention_backend="reference", num_blocks=256)
-    paged = ref.fork(attention_backend="paged")
+    paged = ref.fork(attention_backend="cpu_kernels")
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 259) for _ in range(rng.randint(1, 200))] for _ in range(12)]
     p = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

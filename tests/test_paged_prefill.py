@@ -5,11 +5,11 @@
 * A prefix hit dispatches fewer ops than a miss and at most 300 (issue 38's CPU proxy), on the
   ``fused`` backend (plain PyTorch: runs everywhere) and the ``paged`` one (its C++ kernels),
   on tiny-random and on SmolLM2's shapes.  The fused backend on SmolLM2 is the one known
-  shortfall: a hit there is 16 ops per layer (``minikv/engine/fused_hit.py``), 528 in all
+  shortfall: a hit there is 16 ops per layer (``minikv/backends/fused_hit.py``), 528 in all
   against a miss's 1,001, and 30 layers of eager ATen ops cannot reach 300 without fused
   kernels; that case is an expected failure, and turns into a test failure once it passes.
   On CUDA the fused backend replays a hit (and a miss) from a CUDA graph
-  (``minikv/engine/prefill_graphs.py``): run here with the eager stand-in, each request
+  (``minikv/backends/prefill_graphs.py``): run here with the eager stand-in, each request
   dispatches a few dozen ops, the replay counted as one, and the hit's replay holds fewer ops
   than the miss's (SmolLM2: 21 dispatched each; 512 ops inside the hit's replay, 984 in the miss's).
 * Hit, decode and mixed steps on ``paged`` give the reference backend's greedy tokens.
@@ -20,17 +20,17 @@ import torch.nn.functional as F
 
 from minikv import LLM, SamplingParams
 from minikv.bench_engine import completed, count_ops, op_totals, random_prompts
-from minikv.engine import paged_cpu
-from minikv.engine.cuda_graphs import DecodeGraphRunner
-from minikv.engine.prefill_graphs import PrefillGraphRunner
+from minikv.backends import cpu_kernels
+from minikv.backends.cuda_graphs import DecodeGraphRunner
+from minikv.backends.prefill_graphs import PrefillGraphRunner
 
-needs_kernels = pytest.mark.skipif(not paged_cpu.available(),
-                                   reason="the paged backend's C++ kernels are not built or not supported on this "
+needs_kernels = pytest.mark.skipif(not cpu_kernels.available(),
+                                   reason="the cpu_kernels backend's C++ kernels are not built or not supported on this "
                                           "CPU (they need AVX-512; make kernels)")
 OPS_BUDGET = 300
 # Cases known to miss the 300-op budget, and why (hit < miss is still asserted for them).
 OVER_BUDGET = {("fused", "smollm2-135m-instruct"): "30 layers x 16 eager ATen ops per layer (fused_hit.py); "
-                                                   "only fused kernels (the paged backend) get under 300"}
+                                                   "only fused kernels (the cpu_kernels backend) get under 300"}
 
 
 @needs_kernels
@@ -50,7 +50,7 @@ def test_paged_prefill_equals_sdpa_over_the_gathered_context(dtype, tol):
         seqs.append([start, n, c])
         start, used = start + n, used + k
     out = torch.full((rows, hq * D), 7.0, dtype=dtype)
-    paged_cpu.paged_prefill(qkv, blocks, torch.tensor(seqs), torch.tensor(tables), 0.125, hq, out)
+    cpu_kernels.paged_prefill(qkv, blocks, torch.tensor(seqs), torch.tensor(tables), 0.125, hq, out)
     for (st, n, c), t in zip(seqs, tables):
         kv = blocks[torch.tensor(t)].reshape(-1, 2, kvh, D)[:c].float()
         q = qkv[st:st + n, :hq * D].view(n, hq, D).transpose(0, 1).float()
@@ -65,7 +65,7 @@ def test_paged_prefill_equals_sdpa_over_the_gathered_context(dtype, tol):
 def test_paged_prefill_rejects_a_block_outside_the_pool():
     blocks = torch.zeros(4, 16, 2, 1, 16)
     with pytest.raises(RuntimeError, match="names block 9 of a pool of 4"):
-        paged_cpu.paged_prefill(torch.zeros(2, 48), blocks, torch.tensor([0, 2, 20]), torch.tensor([1, 9]), 1.0, 1,
+        cpu_kernels.paged_prefill(torch.zeros(2, 48), blocks, torch.tensor([0, 2, 20]), torch.tensor([1, 9]), 1.0, 1,
                                 torch.zeros(2, 16))
 
 
@@ -75,8 +75,8 @@ def _hit_and_miss_ops(model: str, backend: str, graphs: bool = False) -> tuple[d
     on CUDA; ``count_ops`` counts a replay as one op, and the ops inside it as ``replayed``)."""
     llm = LLM(model, device="cpu", dtype="float32", enable_prefix_caching=True, attention_backend=backend)
     if graphs:
-        llm.engine.graphs = DecodeGraphRunner(llm.engine, capture="eager")
-        llm.engine.prefill_graphs = PrefillGraphRunner(llm.engine, capture="eager")
+        llm.engine.backend.graphs = DecodeGraphRunner(llm.engine, capture="eager")
+        llm.engine.backend.prefill_graphs = PrefillGraphRunner(llm.engine, capture="eager")
     vocab = llm.engine.model.shape.vocab_size
     system = random_prompts(vocab, 1, 1000, 1000, 0)[0]
     qs = random_prompts(vocab, 6, 20, 20, 1)
@@ -92,12 +92,12 @@ def _hit_and_miss_ops(model: str, backend: str, graphs: bool = False) -> tuple[d
             llm.engine.device))
         assert (cached[0] >= 992) == (side == "hit"), cached
     if graphs:  # the warm-up captured both buckets: the measured requests replayed them, nothing else
-        assert llm.engine.prefill_graphs.captures == 2 and llm.engine.prefill_graphs.replays == 6
+        assert llm.engine.backend.prefill_graphs.captures == 2 and llm.engine.backend.prefill_graphs.replays == 6
     return ops["hit"], ops["miss"]
 
 
 @pytest.mark.parametrize("model", ["tiny-random", "smollm2-135m-instruct"])
-@pytest.mark.parametrize("backend", ["fused", pytest.param("paged", marks=needs_kernels)])
+@pytest.mark.parametrize("backend", ["fused", pytest.param("cpu_kernels", marks=needs_kernels)])
 def test_a_prefix_hit_dispatches_fewer_ops_than_a_miss_and_at_most_300(backend, model):
     hit, miss = (o["ops"] for o in _hit_and_miss_ops(model, backend))
     assert hit < miss, (backend, model, hit, miss)
@@ -129,10 +129,10 @@ def test_hit_decode_and_mixed_steps_match_the_reference_backend():
     system = random_prompts(259, 1, 70, 70, 3)[0]
     prompts = [system + q for q in random_prompts(259, 4, 3, 9, 4)]
     tokens = {}
-    for backend in ("reference", "paged"):
+    for backend in ("reference", "cpu_kernels"):
         llm = LLM("tiny-random", device="cpu", dtype="float32", enable_prefix_caching=True, attention_backend=backend)
         completed(llm.generate([system + [5]], p))  # the prefix is cached: the next four are hits
         outs = completed(llm.generate(prompts, p))  # hits with decodes of earlier ones in the same steps
         assert all(o.num_cached_tokens >= 64 for o in outs)
         tokens[backend] = [o.outputs[0].token_ids for o in outs]
-    assert tokens["paged"] == tokens["reference"]
+    assert tokens["cpu_kernels"] == tokens["reference"]

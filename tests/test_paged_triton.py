@@ -9,7 +9,7 @@ except in CI (``$MINIKV_REQUIRE_TRITON``, set by ``.ci/run``), where that is a f
 
 * kernel level (``scripts/triton_check.py``): prefill, prefix-hit, decode and mixed calls on
   SmolLM2's attention shapes, fp32 within 1e-5 and fp16 within 2e-2 of the reference
-  (``attention.paged_attention``), pools full of stale K/V and shuffled block tables;
+  (``attention.gather_attention``), pools full of stale K/V and shuffled block tables;
 * engine level (``tests/triton_engine_check.py``): a tiny-random engine on the backend, step
   by step against the reference backend, logits within 1e-4 of the largest, tokens identical.
   Again with the prefill graph runner (``prefill-graphs``): requests one at a time, every hit's
@@ -27,8 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from minikv.engine.attention_backends import BACKENDS, FUSED, resolve_backend
-from minikv.engine.model_runner import FORWARDS
+from minikv.backends.registry import BACKENDS, FUSED, resolve_backend
 
 ROOT = Path(__file__).resolve().parent.parent
 SITE = ROOT / ".triton-site"
@@ -68,7 +67,7 @@ def test_triton_hits_replayed_from_prefill_graphs_match_reference():
 
 
 def test_triton_is_a_registry_entry_for_cuda_only():
-    assert "triton" in BACKENDS and "triton" in FORWARDS and "triton" in FUSED
+    assert "triton" in BACKENDS and "triton" in FUSED
     assert resolve_backend("auto", "cuda", 64, "bfloat16") == "fused"  # never picked unmeasured
     for device in ("cpu", "mps"):
         with pytest.raises(ValueError, match="attention_backend='triton'.*CUDA"):
@@ -85,7 +84,7 @@ def test_an_engine_on_the_cpu_refuses_the_triton_backend_by_name():
 
 
 def test_triton_backend_without_triton_says_so(monkeypatch):
-    from minikv.engine import attention_backends
+    from minikv.backends import registry as attention_backends
 
     monkeypatch.setattr(attention_backends, "_triton_importable", lambda: False)
     with pytest.raises(RuntimeError, match="needs Triton"):
@@ -95,7 +94,7 @@ def test_triton_backend_without_triton_says_so(monkeypatch):
 
 
 def test_minikv_never_imports_triton_itself():
-    code = ("import sys, minikv.engine.attention_fused, minikv.engine.model_runner, minikv.engine.paged_triton\n"
+    code = ("import sys, minikv.backends.attention_fused, minikv.backends.fused, minikv.backends.paged_triton\n"
             "assert 'triton' not in sys.modules, 'imported triton'\n")
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{SITE}"}
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)

@@ -170,10 +170,10 @@ def test_the_paged_backend_runs_them_and_the_fused_backend_does_not():
     from minikv import LLM
     from minikv.engine import SamplingParams
 
-    llm = LLM("tiny-random", dtype="float32", attention_backend="paged")
+    llm = LLM("tiny-random", dtype="float32", attention_backend="cpu_kernels")
     layers = llm.engine.model.shape.num_layers
     counts = {}
-    for backend, engine_llm in (("paged", llm), ("fused", llm.fork(attention_backend="fused"))):
+    for backend, engine_llm in (("cpu_kernels", llm), ("fused", llm.fork(attention_backend="fused"))):
         eng = engine_llm.engine
         eng.add_request("r", list(range(5, 45)), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
         with profile() as prefill:
@@ -186,7 +186,7 @@ def test_the_paged_backend_runs_them_and_the_fused_backend_does_not():
         for c, p in zip(counts[backend], (prefill, decode)):
             for e in p.events():
                 c[e.name] += 1
-    (pre, dec), (fpre, fdec) = counts["paged"], counts["fused"]
+    (pre, dec), (fpre, fdec) = counts["cpu_kernels"], counts["fused"]
     assert pre.get("minikv::silu_mul") == layers and "aten::silu" not in pre, pre
     assert pre.get("aten::rms_norm") == 2 * layers + 1  # an exact fp32 step keeps ATen's norm
     assert dec.get("minikv::rms_norm") == 2 * layers + 1 and "aten::rms_norm" not in dec, dec
@@ -203,10 +203,11 @@ def test_bf16_steps_rope_with_the_kernel_too(monkeypatch):
     from torch.profiler import profile
 
     from minikv import LLM
-    from minikv.engine import SamplingParams, model_runner
+    from minikv.backends import fused
+    from minikv.engine import SamplingParams
 
     prompt, params = list(range(5, 45)), SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
-    llm = LLM("tiny-random", dtype="bfloat16", attention_backend="paged")
+    llm = LLM("tiny-random", dtype="bfloat16", attention_backend="cpu_kernels")
     eng, layers = llm.engine, llm.engine.model.shape.num_layers
     eng.logit_trace = []
     eng.add_request("r", prompt, params)
@@ -216,7 +217,7 @@ def test_bf16_steps_rope_with_the_kernel_too(monkeypatch):
         names = [e.name for e in p.events()]
         assert names.count("minikv::rope_") == layers and "aten::roll" not in names, names
     # the same two steps with the kernel's RoPE switched off in the plan: ATen's roll, multiplies and add
-    real = model_runner.build_plan
+    real = fused.build_plan
 
     def aten_rope(*a, **k):
         plan = real(*a, **k)
@@ -224,7 +225,7 @@ def test_bf16_steps_rope_with_the_kernel_too(monkeypatch):
         plan.rope_kernel = False
         return plan
 
-    monkeypatch.setattr(model_runner, "build_plan", aten_rope)
+    monkeypatch.setattr(fused, "build_plan", aten_rope)
     other = llm.fork().engine
     other.logit_trace = []
     other.add_request("r", prompt, params)

@@ -19,9 +19,10 @@ import pytest
 import torch
 
 from minikv import LLM
-from minikv.engine import SamplingParams, prefill_graphs
-from minikv.engine.cuda_graphs import DecodeGraphRunner
-from minikv.engine.prefill_graphs import PrefillGraphRunner, token_bucket
+from minikv.backends import prefill_graphs
+from minikv.engine import SamplingParams
+from minikv.backends.cuda_graphs import DecodeGraphRunner
+from minikv.backends.prefill_graphs import PrefillGraphRunner, token_bucket
 from tests.engine_helpers import assert_traces_close
 from tests.test_cuda_graphs import TOL, _same_kv, check_reserved_blocks
 
@@ -35,8 +36,8 @@ def _pair(device, dtype="float32", capture=None):
     eager = base.fork(enforce_eager=True).engine
     graph = base.engine
     if capture is not None:  # CPU: force both runners in, with the strategy given
-        graph.graphs = DecodeGraphRunner(graph, capture=capture)
-        graph.prefill_graphs = PrefillGraphRunner(graph, capture=capture)
+        graph.backend.graphs = DecodeGraphRunner(graph, capture=capture)
+        graph.backend.prefill_graphs = PrefillGraphRunner(graph, capture=capture)
     return graph, eager
 
 
@@ -109,7 +110,7 @@ def _spy(runner):
 
 def test_prefill_graphs_match_the_eager_fused_path_with_padding_and_buckets():
     graph, eager = _pair("cpu", capture="eager")
-    seen = _spy(graph.prefill_graphs)
+    seen = _spy(graph.backend.prefill_graphs)
     trace_g, tokens_g, checks = _drive(graph)
     trace_e, tokens_e, _ = _drive(eager)
     assert "bad buffer" not in [k for _, k in seen], seen
@@ -121,9 +122,9 @@ def test_prefill_graphs_match_the_eager_fused_path_with_padding_and_buckets():
     # buckets, two widths, the chunked prompt as a miss and then a hit, the two-prefill step eager
     assert seen == [(26, ("miss", 32)), (12, ("hit", 16, 8)), (4, ("hit", 8, 8)), (20, ("hit", 24, 16)),
                     (16, ("miss", 16)), (38, ("hit", 40, 16)), (57, ("miss", 64))]
-    r = graph.prefill_graphs
+    r = graph.backend.prefill_graphs
     assert set(r.graphs) == {k for _, k in seen} and r.captures == len(r.graphs) == 7 and r.replays == 7
-    assert graph.graphs.replays > 0  # the decodes in between replayed the decode graphs
+    assert graph.backend.graphs.replays > 0  # the decodes in between replayed the decode graphs
     # padded rows wrote the scratch block, never the pad block, never a real one
     assert checks == {"pad_zero": True, "scratch_in_table": False}
     assert graph.pool._k[:, graph.pool.scratch_block].abs().sum() > 0
@@ -140,7 +141,7 @@ def test_token_buckets_pad_by_at_most_7_rows_or_a_sixteenth():
 
 def test_a_step_no_bucket_holds_runs_eagerly(monkeypatch):
     graph, _ = _pair("cpu", capture="eager")
-    r = graph.prefill_graphs
+    r = graph.backend.prefill_graphs
     seq = SimpleNamespace(num_tokens=30, num_computed_tokens=0, block_table=list(range(8)))
     assert r.key(seq) == ("miss", 32)
     seq.num_computed_tokens = 8  # a hit of 22 new tokens over 8 blocks
@@ -155,7 +156,7 @@ def test_a_step_no_bucket_holds_runs_eagerly(monkeypatch):
 
 def test_only_cuda_engines_of_the_fused_and_triton_backends_get_a_prefill_runner():
     cpu = LLM("tiny-random", device="cpu", attention_backend="fused").engine
-    assert cpu.prefill_graphs is None
+    assert cpu.backend.prefill_graphs is None
 
     def fake(**kw):  # an engine that claims CUDA: nothing touches the device before the first step
         c = dict(device=torch.device("cuda"), attention_backend="fused", enforce_eager=False)
@@ -167,7 +168,7 @@ def test_only_cuda_engines_of_the_fused_and_triton_backends_get_a_prefill_runner
     r = PrefillGraphRunner.for_engine(fake())
     assert isinstance(r, PrefillGraphRunner) and r.widths[-1] == 128 and r.max_tokens == 2048
     assert not r.triton and PrefillGraphRunner.for_engine(fake(attention_backend="triton")).triton
-    for kw in (dict(enforce_eager=True), dict(attention_backend="reference"), dict(attention_backend="paged"),
+    for kw in (dict(enforce_eager=True), dict(attention_backend="reference"), dict(attention_backend="cpu_kernels"),
                dict(device=torch.device("cpu"))):
         assert PrefillGraphRunner.for_engine(fake(**kw)) is None, kw
     with pytest.raises(ValueError, match="capture='graph'"):
@@ -180,11 +181,11 @@ def test_cuda_prefill_graphs_match_the_eager_fused_path(dtype, tol):
     """Real graphs: the runner is there by default on CUDA, captures, replays and agrees (bf16:
     within 2% of the largest logit, steps compared up to the first flipped greedy token)."""
     graph, eager = _pair("cuda", dtype)
-    assert isinstance(graph.prefill_graphs, PrefillGraphRunner) and eager.prefill_graphs is None
-    seen = _spy(graph.prefill_graphs)
+    assert isinstance(graph.backend.prefill_graphs, PrefillGraphRunner) and eager.backend.prefill_graphs is None
+    seen = _spy(graph.backend.prefill_graphs)
     trace_g, tokens_g, checks = _drive(graph)
     trace_e, tokens_e, _ = _drive(eager)
-    r = graph.prefill_graphs
+    r = graph.backend.prefill_graphs
     print(f"cuda prefill graphs {dtype}: {r.captures} captures, {r.replays} replays")
     assert "bad buffer" not in [k for _, k in seen] and r.replays == len(seen) == r.captures == 7
     assert checks == {"pad_zero": True, "scratch_in_table": False}

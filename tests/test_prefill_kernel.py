@@ -23,7 +23,7 @@ import re
 import pytest
 import torch
 
-from minikv.engine.attention_backends import KERNEL_HEAD_DIMS
+from minikv.backends.registry import KERNEL_HEAD_DIMS
 from tests.paged_kernel import KERNEL_BUILT
 
 pytestmark = pytest.mark.skipif(not KERNEL_BUILT, reason="no C++ compiler: the kernels are not built")
@@ -156,9 +156,9 @@ def _plan_kinds(monkeypatch, llm, prompts):
     """The group kinds of every plan ``llm`` builds for a generate over ``prompts`` (all fresh
     prefills), then for a ``score`` of the first."""
     from minikv import SamplingParams
-    from minikv.engine import model_runner
+    from minikv.backends import fused
 
-    kinds, build = [], model_runner.build_plan
+    kinds, build = [], fused.build_plan
 
     def recording(*a, **kw):
         plan = build(*a, **kw)
@@ -166,7 +166,7 @@ def _plan_kinds(monkeypatch, llm, prompts):
         return plan
 
     with monkeypatch.context() as m:
-        m.setattr(model_runner, "build_plan", recording)  # the name the engine calls it by
+        m.setattr(fused, "build_plan", recording)  # the name the backend calls it by
         llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0))
         llm.engine.score(prompts[0])
     return kinds
@@ -175,7 +175,7 @@ def _plan_kinds(monkeypatch, llm, prompts):
 def test_paged_engine_plans_fresh_prefills_as_one_kernel_call_and_score_keeps_sdpa(monkeypatch):
     from minikv import LLM
 
-    llm = LLM("tiny-random", dtype="float32", device="cpu", attention_backend="paged")
+    llm = LLM("tiny-random", dtype="float32", device="cpu", attention_backend="cpu_kernels")
     kinds = _plan_kinds(monkeypatch, llm, [[30 + i for i in range(n)] for n in (5, 40, 17)])
     assert kinds[0] == ["causal"], kinds  # generation: the three prefills in one group
     assert kinds[-1] == ["fresh"], kinds  # score: SDPA, transformers' op sequence
@@ -194,10 +194,10 @@ def test_paged_generation_within_decode_tolerance_of_reference():
     prompts = [[30 + (7 * i) % 200 for i in range(n)] for n in (3, 70, 33)]
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     runs = {}
-    for backend in ("reference", "paged"):
+    for backend in ("reference", "cpu_kernels"):
         llm = LLM("tiny-random", dtype="float32", device="cpu", attention_backend=backend)
         llm.engine.logit_trace = []
         outs = llm.generate(prompts, params)
         runs[backend] = ([o.outputs[0].token_ids for o in outs], llm.engine.logit_trace)
-    assert runs["paged"][0] == runs["reference"][0]
-    assert_traces_close(runs["paged"][1], runs["reference"][1], rel_tol=1e-4)
+    assert runs["cpu_kernels"][0] == runs["reference"][0]
+    assert_traces_close(runs["cpu_kernels"][1], runs["reference"][1], rel_tol=1e-4)

@@ -1,4 +1,4 @@
-"""cache_isolation="selective" (minikv/engine/sharing.py): promotion by k tenants, monitor and isolate.
+"""cache_isolation="selective" (minikv/sharing/strategies.py): promotion by k tenants, monitor and isolate.
 
 Properties first (hypothesis over random multi-tenant workloads on tiny-random), then isolation in
 both directions, the Sybil limit, the audit records, the settings door.  The detector's flagging
@@ -19,7 +19,7 @@ from minikv import LLM, SamplingParams, UnsafeSettingWarning
 from minikv.audit.monitor import DetectorMonitor
 from minikv.engine.config import EngineConfig
 from minikv.engine.lifecycle import REUSES, Transition
-from minikv.engine.sharing import STRATEGIES
+from minikv.sharing import STRATEGIES
 from tests.engine_helpers import quiet_fork, random_contents
 
 BS = 16
@@ -253,7 +253,7 @@ def test_the_dispatch_runs_the_rekey_hooks(base):
     promoted = [ids for t, ids in seen if t == Transition.PROMOTE]
     assert len(promoted) == 2 and spy.calls == [("on_promote", ids) for ids in promoted]
     # isolate: the monitor strategy, flagged by hand through its documented entry point
-    from minikv.engine.sharing import Flag
+    from minikv.sharing import Flag
     spy2 = HookSpy()
     llm2 = selective(base, selective_strategy="monitor", reuse_monitor=DetectorMonitor, scrubber=spy2)
     llm2.generate([prompt], P1, tenant="a")

@@ -1,4 +1,4 @@
-"""Private marks under selective sharing (engine/sharing.py): what a tenant marks private
+"""Private marks under selective sharing (minikv/sharing/strategies.py): what a tenant marks private
 (``cache_private=True``) and what the operator marks sensitive (``sensitive_prefixes``).
 
 Both directions every time: the marked content is not hit by another tenant while the same

@@ -28,13 +28,13 @@ import torch
 from torch.profiler import profile
 
 from minikv import LLM, SamplingParams
-from minikv.engine import matmuls, paged_cpu
-from minikv.engine.matmuls import SKINNY_BF16_MAX_ROWS_AMX, SKINNY_MAX_ROWS, DenseMatmuls, PackedMatmuls, SkinnyMatmuls, matmuls_for
+from minikv.backends import matmuls, cpu_kernels
+from minikv.backends.matmuls import SKINNY_BF16_MAX_ROWS_AMX, SKINNY_MAX_ROWS, DenseMatmuls, PackedMatmuls, SkinnyMatmuls, matmuls_for
 from tests.paged_kernel import KERNEL_BUILT
 
-SKINNY = KERNEL_BUILT and paged_cpu.skinny_supported()
+SKINNY = KERNEL_BUILT and cpu_kernels.skinny_supported()
 pytestmark = pytest.mark.skipif(not SKINNY, reason="minikv's CPU kernels are not built, or this CPU has no AVX-512")
-BF16 = SKINNY and paged_cpu.skinny_bf16_supported()
+BF16 = SKINNY and cpu_kernels.skinny_bf16_supported()
 needs_bf16 = pytest.mark.skipif(not BF16, reason="this CPU has no AVX512-BF16: bf16 steps keep oneDNN's packed kernel")
 
 
@@ -60,7 +60,7 @@ def _assert_within_fp32_bound(got, x, w, base=None, out_rounding=0.0):
 @pytest.mark.parametrize("n,k", [(1, 1), (31, 17), (32, 64), (33, 576), (960, 576), (576, 1536)])
 def test_the_product_matches_float64(m, n, k):
     x, w = _operands(m, n, k, seed=m * 7919 + n * 31 + k)
-    got = paged_cpu.skinny_linear(x, paged_cpu.skinny_pack(w), n)
+    got = cpu_kernels.skinny_linear(x, cpu_kernels.skinny_pack(w), n)
     assert got.shape == (m, n) and got.dtype == torch.float32 and got.is_contiguous()
     _assert_within_fp32_bound(got, x, w)
 
@@ -70,7 +70,7 @@ def test_out_accumulates_in_place(m, n, k):
     x, w = _operands(m, n, k, seed=3)
     base = torch.randn(m, n, generator=torch.Generator().manual_seed(4)) * 10
     out = base.clone()
-    got = paged_cpu.skinny_linear(x, paged_cpu.skinny_pack(w), n, out=out)
+    got = cpu_kernels.skinny_linear(x, cpu_kernels.skinny_pack(w), n, out=out)
     assert got.data_ptr() == out.data_ptr()  # the residual stream itself, no new tensor
     _assert_within_fp32_bound(out, x, w, base)
 
@@ -83,7 +83,7 @@ BF16_ROUNDING = 2.0 ** -8  # bf16 keeps 8 significant bits: rounding to nearest 
 @pytest.mark.parametrize("n,k", [(1, 1), (31, 17), (33, 575), (960, 576), (576, 1536)])
 def test_the_bf16_product_matches_float64(m, n, k):
     x, w = (t.bfloat16() for t in _operands(m, n, k, seed=m * 7919 + n * 31 + k))
-    got = paged_cpu.skinny_linear(x, paged_cpu.skinny_pack(w), n)
+    got = cpu_kernels.skinny_linear(x, cpu_kernels.skinny_pack(w), n)
     assert got.shape == (m, n) and got.dtype == torch.bfloat16 and got.is_contiguous()
     _assert_within_fp32_bound(got, x, w, out_rounding=BF16_ROUNDING)  # x and w are exact in float64
 
@@ -93,7 +93,7 @@ def test_bf16_out_accumulates_in_place_rounded_once():
     x, w = (t.bfloat16() for t in _operands(28, 576, 1536, seed=3))
     base = (torch.randn(28, 576, generator=torch.Generator().manual_seed(4)) * 10).bfloat16()
     out = base.clone()
-    assert paged_cpu.skinny_linear(x, paged_cpu.skinny_pack(w), 576, out=out).data_ptr() == out.data_ptr()
+    assert cpu_kernels.skinny_linear(x, cpu_kernels.skinny_pack(w), 576, out=out).data_ptr() == out.data_ptr()
     _assert_within_fp32_bound(out, x, w, base, out_rounding=BF16_ROUNDING)
     # the sum is rounded once, not the product and then the sum: compare with fp32 done by hand
     exact = (x.float() @ w.float().T + base.float()).bfloat16()
@@ -103,7 +103,7 @@ def test_bf16_out_accumulates_in_place_rounded_once():
 @needs_bf16
 def test_the_bf16_panel_layout():
     w = (torch.arange(70 * 5, dtype=torch.float32).view(70, 5) + 1).bfloat16()  # small integers: exact in bf16
-    p = paged_cpu.skinny_pack(w)
+    p = cpu_kernels.skinny_pack(w)
     assert p.shape == (3, 3, 64) and p.dtype == torch.bfloat16
     for n in range(70):
         for k in range(5):
@@ -115,26 +115,26 @@ def test_the_bf16_panel_layout():
 @needs_bf16
 def test_a_bf16_rows_result_does_not_depend_on_its_neighbours():
     x, w = (t.bfloat16() for t in _operands(SKINNY_MAX_ROWS, 200, 96, seed=11))
-    packed = paged_cpu.skinny_pack(w)
-    whole = paged_cpu.skinny_linear(x, packed, 200)
+    packed = cpu_kernels.skinny_pack(w)
+    whole = cpu_kernels.skinny_linear(x, packed, 200)
     perm = torch.randperm(SKINNY_MAX_ROWS, generator=torch.Generator().manual_seed(1))
-    assert torch.equal(paged_cpu.skinny_linear(x[perm], packed, 200), whole[perm])
+    assert torch.equal(cpu_kernels.skinny_linear(x[perm], packed, 200), whole[perm])
     for i in (0, 13, 14, SKINNY_MAX_ROWS - 1):
-        assert torch.equal(paged_cpu.skinny_linear(x[i:i + 1], packed, 200), whole[i:i + 1]), i
+        assert torch.equal(cpu_kernels.skinny_linear(x[i:i + 1], packed, 200), whole[i:i + 1]), i
 
 
 def test_a_strided_view_is_read_as_its_values():
     wide, w = _operands(6, 50, 2 * 40, seed=8)
     x = wide[:, 40:]  # row stride 80: what a slice of a larger activation looks like
     w = w[:, :40].contiguous()
-    got = paged_cpu.skinny_linear(x, paged_cpu.skinny_pack(w), 50)
-    assert torch.equal(got, paged_cpu.skinny_linear(x.contiguous(), paged_cpu.skinny_pack(w), 50))
+    got = cpu_kernels.skinny_linear(x, cpu_kernels.skinny_pack(w), 50)
+    assert torch.equal(got, cpu_kernels.skinny_linear(x.contiguous(), cpu_kernels.skinny_pack(w), 50))
     _assert_within_fp32_bound(got, x, w)
 
 
 def test_the_panel_layout():
     w = torch.arange(70 * 3, dtype=torch.float32).view(70, 3) + 1  # no zeros of its own
-    p = paged_cpu.skinny_pack(w)
+    p = cpu_kernels.skinny_pack(w)
     assert p.shape == (3, 3, 32)
     for n in range(70):
         assert torch.equal(p[n // 32, :, n % 32], w[n]), n
@@ -143,32 +143,32 @@ def test_the_panel_layout():
 
 def test_a_rows_result_does_not_depend_on_its_neighbours():
     x, w = _operands(SKINNY_MAX_ROWS, 200, 96, seed=11)
-    packed = paged_cpu.skinny_pack(w)
-    whole = paged_cpu.skinny_linear(x, packed, 200)
+    packed = cpu_kernels.skinny_pack(w)
+    whole = cpu_kernels.skinny_linear(x, packed, 200)
     perm = torch.randperm(SKINNY_MAX_ROWS, generator=torch.Generator().manual_seed(1))
-    assert torch.equal(paged_cpu.skinny_linear(x[perm], packed, 200), whole[perm])
+    assert torch.equal(cpu_kernels.skinny_linear(x[perm], packed, 200), whole[perm])
     for i in (0, 13, 14, 27, SKINNY_MAX_ROWS - 1):  # alone, and at every place in a 14-row block
-        assert torch.equal(paged_cpu.skinny_linear(x[i:i + 1], packed, 200), whole[i:i + 1]), i
+        assert torch.equal(cpu_kernels.skinny_linear(x[i:i + 1], packed, 200), whole[i:i + 1]), i
 
 
 _W = torch.randn(40, 24)
 
 
 @pytest.mark.parametrize("call,message", [
-    (lambda: paged_cpu.skinny_pack(torch.randn(40)), "weights must be non-empty 2-D fp32 or bf16 [N, K], got [40] Float"),
-    (lambda: paged_cpu.skinny_pack(_W.half()), "got [40, 24] Half"),
-    (lambda: paged_cpu.skinny_linear(torch.randn(3, 24).double(), paged_cpu.skinny_pack(_W), 40), "x must be 2-D fp32 or bf16 [rows, K], got [3, 24] Double"),
-    (lambda: paged_cpu.skinny_linear(torch.randn(3, 24).bfloat16(), paged_cpu.skinny_pack(_W), 40), "x is BFloat16 but the weights were packed as Float"),
-    (lambda: paged_cpu.skinny_linear(torch.randn(3, 2, 24), paged_cpu.skinny_pack(_W), 40), "got [3, 2, 24]"),
-    (lambda: paged_cpu.skinny_linear(torch.randn(3, 25), paged_cpu.skinny_pack(_W), 40), "x has K=25 columns but the weights have K=24"),
-    (lambda: paged_cpu.skinny_linear(torch.randn(3, 26).bfloat16(), paged_cpu.skinny_pack(_W.bfloat16()), 40), "x has K=26 columns but the weights have K/2=12"),
-    (lambda: paged_cpu.skinny_linear(torch.randn(3, 24), paged_cpu.skinny_pack(_W), 65), "n=65 output columns do not fit 2 panels"),
-    (lambda: paged_cpu.skinny_linear(torch.randn(3, 24), paged_cpu.skinny_pack(_W), 32), "n=32 output columns do not fit 2 panels"),
-    (lambda: paged_cpu.skinny_linear(torch.randn(0, 24), paged_cpu.skinny_pack(_W), 40), "rows=0 outside"),
-    (lambda: paged_cpu.skinny_linear(torch.randn(3, 24), _W, 40), "packed weights must be skinny_pack's"),
-    (lambda: paged_cpu.skinny_linear(torch.randn(3, 24), paged_cpu.skinny_pack(_W), 40, out=torch.zeros(4, 40)), "out has 4 rows but x has 3"),
-    (lambda: paged_cpu.skinny_linear(torch.randn(3, 24), paged_cpu.skinny_pack(_W), 40, out=torch.zeros(40, 3).t()), "out must be contiguous"),
-    (lambda: paged_cpu.skinny_linear(torch.randn(3, 24), paged_cpu.skinny_pack(_W), 40, out=torch.zeros(3, 40).bfloat16()), "of x's dtype Float, got [3, 40] BFloat16"),
+    (lambda: cpu_kernels.skinny_pack(torch.randn(40)), "weights must be non-empty 2-D fp32 or bf16 [N, K], got [40] Float"),
+    (lambda: cpu_kernels.skinny_pack(_W.half()), "got [40, 24] Half"),
+    (lambda: cpu_kernels.skinny_linear(torch.randn(3, 24).double(), cpu_kernels.skinny_pack(_W), 40), "x must be 2-D fp32 or bf16 [rows, K], got [3, 24] Double"),
+    (lambda: cpu_kernels.skinny_linear(torch.randn(3, 24).bfloat16(), cpu_kernels.skinny_pack(_W), 40), "x is BFloat16 but the weights were packed as Float"),
+    (lambda: cpu_kernels.skinny_linear(torch.randn(3, 2, 24), cpu_kernels.skinny_pack(_W), 40), "got [3, 2, 24]"),
+    (lambda: cpu_kernels.skinny_linear(torch.randn(3, 25), cpu_kernels.skinny_pack(_W), 40), "x has K=25 columns but the weights have K=24"),
+    (lambda: cpu_kernels.skinny_linear(torch.randn(3, 26).bfloat16(), cpu_kernels.skinny_pack(_W.bfloat16()), 40), "x has K=26 columns but the weights have K/2=12"),
+    (lambda: cpu_kernels.skinny_linear(torch.randn(3, 24), cpu_kernels.skinny_pack(_W), 65), "n=65 output columns do not fit 2 panels"),
+    (lambda: cpu_kernels.skinny_linear(torch.randn(3, 24), cpu_kernels.skinny_pack(_W), 32), "n=32 output columns do not fit 2 panels"),
+    (lambda: cpu_kernels.skinny_linear(torch.randn(0, 24), cpu_kernels.skinny_pack(_W), 40), "rows=0 outside"),
+    (lambda: cpu_kernels.skinny_linear(torch.randn(3, 24), _W, 40), "packed weights must be skinny_pack's"),
+    (lambda: cpu_kernels.skinny_linear(torch.randn(3, 24), cpu_kernels.skinny_pack(_W), 40, out=torch.zeros(4, 40)), "out has 4 rows but x has 3"),
+    (lambda: cpu_kernels.skinny_linear(torch.randn(3, 24), cpu_kernels.skinny_pack(_W), 40, out=torch.zeros(40, 3).t()), "out must be contiguous"),
+    (lambda: cpu_kernels.skinny_linear(torch.randn(3, 24), cpu_kernels.skinny_pack(_W), 40, out=torch.zeros(3, 40).bfloat16()), "of x's dtype Float, got [3, 40] BFloat16"),
 ])
 def test_bad_input_is_refused_with_the_value_named(call, message):
     with pytest.raises(RuntimeError, match=message.replace("[", r"\[").replace("]", r"\]")):
@@ -191,7 +191,7 @@ def _op_counts(eng, steps: int, outputs: list | None = None) -> list[dict[str, i
 
 
 def test_the_paged_backend_runs_it_on_decodes_and_prefix_hits_only():
-    llm = LLM("tiny-random", dtype="float32", attention_backend="paged", enable_prefix_caching=True, num_blocks=128)
+    llm = LLM("tiny-random", dtype="float32", attention_backend="cpu_kernels", enable_prefix_caching=True, num_blocks=128)
     eng, layers = llm.engine, llm.engine.model.shape.num_layers
     p = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     prompt = list(range(5, 69))  # 64 tokens: 4 blocks of 16
@@ -220,8 +220,8 @@ def test_the_paged_backend_runs_it_on_decodes_and_prefix_hits_only():
 
 
 def test_which_steps_it_serves(fresh_weights):
-    fp32 = LLM("tiny-random", dtype="float32", attention_backend="paged").engine.model
-    bf16 = LLM("tiny-random", dtype="bfloat16", attention_backend="paged").engine.model
+    fp32 = LLM("tiny-random", dtype="float32", attention_backend="cpu_kernels").engine.model
+    bf16 = LLM("tiny-random", dtype="bfloat16", attention_backend="cpu_kernels").engine.model
     # built with the engine, and no second (oneDNN) copy of the fp32 weights
     assert fp32._skinny is not None and fp32._skinny_head is not None and getattr(fp32, "_packed", None) is None
     assert isinstance(matmuls_for(fp32, exact=False, kernels=True, rows=1), SkinnyMatmuls)
@@ -247,8 +247,8 @@ def test_with_amx_bf16_steps_past_a_few_rows_stay_on_onednn(monkeypatch, amx):
     measurements), so the kernel's bf16 bound drops to SKINNY_BF16_MAX_ROWS_AMX there; fp32 is
     not affected (oneDNN's fp32 kernel does not use AMX)."""
     monkeypatch.setattr(matmuls, "amx_available", lambda: amx)
-    fp32 = LLM("tiny-random", dtype="float32", attention_backend="paged").engine.model
-    bf16 = LLM("tiny-random", dtype="bfloat16", attention_backend="paged").engine.model
+    fp32 = LLM("tiny-random", dtype="float32", attention_backend="cpu_kernels").engine.model
+    bf16 = LLM("tiny-random", dtype="bfloat16", attention_backend="cpu_kernels").engine.model
     bound = SKINNY_BF16_MAX_ROWS_AMX if amx else SKINNY_MAX_ROWS
     assert matmuls.skinny_max_rows(bf16) == bound and matmuls.skinny_max_rows(fp32) == SKINNY_MAX_ROWS
     assert isinstance(matmuls_for(bf16, exact=False, kernels=True, rows=bound), SkinnyMatmuls)
@@ -264,8 +264,8 @@ def test_with_amx_bf16_steps_past_a_few_rows_stay_on_onednn(monkeypatch, amx):
 
 
 def test_without_avx512_the_engine_falls_back(monkeypatch, fresh_weights):
-    monkeypatch.setattr(paged_cpu, "skinny_supported", lambda: False)
-    llm = LLM("tiny-random", dtype="float32", attention_backend="paged")
+    monkeypatch.setattr(cpu_kernels, "skinny_supported", lambda: False)
+    llm = LLM("tiny-random", dtype="float32", attention_backend="cpu_kernels")
     model = llm.engine.model
     assert getattr(model, "_skinny", None) is None
     want = PackedMatmuls if matmuls._packing_available() else DenseMatmuls
@@ -282,7 +282,7 @@ def test_bf16_decodes_run_it_and_stay_within_the_bf16_tolerance():
     from tests.test_engine_correctness import BF16_TOL
 
     runs = {}
-    for dtype, backend in (("float32", "reference"), ("bfloat16", "paged")):
+    for dtype, backend in (("float32", "reference"), ("bfloat16", "cpu_kernels")):
         llm = LLM("tiny-random", dtype=dtype, attention_backend=backend, enable_prefix_caching=True, num_blocks=128)
         eng, layers = llm.engine, llm.engine.model.shape.num_layers
         eng.logit_trace = []
@@ -307,8 +307,8 @@ def test_bf16_decodes_run_it_and_stay_within_the_bf16_tolerance():
 
 
 def test_without_avx512_bf16_bf16_steps_keep_onednn(monkeypatch, fresh_weights):
-    monkeypatch.setattr(paged_cpu, "skinny_bf16_supported", lambda: False)
-    llm = LLM("tiny-random", dtype="bfloat16", attention_backend="paged")
+    monkeypatch.setattr(cpu_kernels, "skinny_bf16_supported", lambda: False)
+    llm = LLM("tiny-random", dtype="bfloat16", attention_backend="cpu_kernels")
     model = llm.engine.model
     assert getattr(model, "_skinny", None) is None and getattr(model, "_skinny_head", None) is None
     want = PackedMatmuls if matmuls._packing_available(torch.bfloat16) else DenseMatmuls

@@ -6,7 +6,7 @@
 
 ``resolve_backend`` grants ``"triton"`` on CUDA only, so on the CPU a fused engine is switched to it
 after it is built (nothing else about an engine depends on the name: the forward pass is
-chosen per step, ``model_runner.run_model``) and Triton's interpreter runs the kernel on CPU
+chosen per step by the backend, ``minikv.backends.fused.FusedBackend``) and Triton's interpreter runs the kernel on CPU
 tensors.  The schedule is ``test_attention_fused``'s: prefills, a decode-only step, a mixed step
 (a fresh prefill and two decodes), then prefix hits and their decodes; every sampled row's logits
 must be within 1e-4 of its largest logit of the reference's, the tokens identical.  Run in a
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import sys
 
-from minikv.engine.attention_fused import triton_attention
+from minikv.backends.attention_fused import triton_attention
 from tests.engine_helpers import assert_traces_close
 from tests.test_attention_fused import TOL, _drive, _engines, _workload
 
@@ -33,11 +33,11 @@ def main(device: str = "cpu") -> int:
         calls.append(args[3].shape[0])
         return triton_attention(*args, **kw)
 
-    import minikv.engine.attention_fused as fused_module
+    import minikv.backends.attention_fused as fused_module
 
     fused_module.triton_attention = counted
     ref, eng = _engines(device, backend="triton" if device == "cuda" else "fused")
-    eng.attention_backend = "triton"
+    eng.attention_backend = eng.backend.name = "triton"
     prompts, late = _workload(ref.model.shape.vocab_size)
     trace_r, tokens_r, cached_r, kinds = _drive(ref, prompts, late)
     trace_t, tokens_t, cached_t, _ = _drive(eng, prompts, late)
@@ -56,9 +56,9 @@ def main(device: str = "cpu") -> int:
 
 
 def prefill_graphs(device: str = "cpu") -> int:
-    import minikv.engine.attention_fused as fused_module
-    from minikv.engine.cuda_graphs import DecodeGraphRunner
-    from minikv.engine.prefill_graphs import PrefillGraphRunner
+    import minikv.backends.attention_fused as fused_module
+    from minikv.backends.cuda_graphs import DecodeGraphRunner
+    from minikv.backends.prefill_graphs import PrefillGraphRunner
     from tests.test_prefill_graphs import _drive as drive_one_at_a_time
 
     calls, in_replay = [], [False]
@@ -69,11 +69,11 @@ def prefill_graphs(device: str = "cpu") -> int:
 
     fused_module.triton_attention = counted
     ref, eng = _engines(device, backend="triton" if device == "cuda" else "fused")
-    eng.attention_backend = "triton"
+    eng.attention_backend = eng.backend.name = "triton"
     if device == "cpu":  # CUDA builds both runners itself
-        eng.graphs = DecodeGraphRunner(eng, capture="eager")
-        eng.prefill_graphs = PrefillGraphRunner(eng, capture="eager")
-    runner = eng.prefill_graphs
+        eng.backend.graphs = DecodeGraphRunner(eng, capture="eager")
+        eng.backend.prefill_graphs = PrefillGraphRunner(eng, capture="eager")
+    runner = eng.backend.prefill_graphs
     assert runner is not None and runner.triton
     run = runner._replay
 

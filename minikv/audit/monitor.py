@@ -1,8 +1,8 @@
 """The audit detector as the ``monitor`` strategy's live monitor (``EngineConfig.reuse_monitor``).
 
 ``cache_isolation="selective", selective_strategy="monitor"`` shares blocks across tenants until
-a monitor flags a tenant (``minikv.engine.sharing``).  The engine defines what a monitor is
-(:class:`~minikv.engine.sharing.ReuseMonitor`: records in, flags out) and never imports
+a monitor flags a tenant (``minikv.sharing``).  The engine defines what a monitor is
+(:class:`~minikv.sharing.ReuseMonitor`: records in, flags out) and never imports
 ``minikv.audit``; this module plugs the one detector in, so the rules an operator runs over a
 trail afterwards (``minikv audit detect``) are the rules that isolate tenants live:
 
@@ -23,12 +23,12 @@ from __future__ import annotations
 
 from collections import deque
 
-from ..engine.sharing import Flag
+from ..sharing import Flag
 from .detector import DEFAULT_BLOCK_SIZE, detect
 
 
 class DetectorMonitor:
-    """A :class:`~minikv.engine.sharing.ReuseMonitor` built on :func:`detect` (see module doc).
+    """A :class:`~minikv.sharing.ReuseMonitor` built on :func:`detect` (see module doc).
     Use the class itself as the factory: ``reuse_monitor=DetectorMonitor``."""
 
     def __init__(self, config=None, *, threshold: int = 8, window: int = 256):

@@ -222,7 +222,7 @@ class AuditTrail:
             self._block_records("scrub", [(bid, None, {}) for bid in block_ids], seq, hook=hook)
 
     def sharing(self, decision: str, *, fps=(), **fields) -> None:
-        """A selective-sharing decision (``minikv.engine.sharing``): ``promote``, ``flag`` or
+        """A selective-sharing decision (``minikv.sharing``): ``promote``, ``flag`` or
         ``isolate``, at any level, as one ``sharing`` record.  ``fps`` are the engine's content
         fingerprints (hex); the trail writes them re-keyed with the operator key, like every
         fingerprint here.  ``fields``: strategy, tenant, counts, a reason -- never prompt text."""

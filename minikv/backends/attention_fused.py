@@ -1,6 +1,6 @@
 """The fused forward pass: the reference arithmetic, with the per-step work done once per step.
 
-``attention.paged_attention`` (the reference) is written for reading: each layer loops over the
+``attention.gather_attention`` (the reference) is written for reading: each layer loops over the
 prefills, gathers every decoding sequence's blocks into a padded tensor and builds its masks.  On
 a small model the layers are cheap, so that bookkeeping *is* the step: about 2,100 aten ops per
 decode step for SmolLM2 at batch 16, each one a Python call and, on a GPU, a kernel launch.
@@ -15,27 +15,26 @@ largest logit in fp32, greedy tokens identical) with three changes:
 * **Few attention calls per layer.**  A fresh prefill (nothing cached) attends over its own new
   K/V: one causal SDPA per sequence, on *views* of the flat batch (no padding, no gather; the
   same kernel call as transformers, so ``score`` matches it bit for bit in fp32).  Padding such
-  prefills into one batch wastes the work of every short row: on the 2-core CPU, 12 prompts of
-  128-429 tokens took 26.9 ms per layer padded against 11.7 ms one by one (fp32; 11.0 vs 6.0 ms
-  in bf16).  With the ``paged`` backend's kernels, every fresh prefill of a step goes to one call
-  of minikv's causal prefill kernel instead (``paged_cpu.prefill_attention``: about twice SDPA's
-  speed; not SDPA's bits, so ``score`` keeps SDPA).  Prefix-hit prefills form one group and decodes another: the queries over keys read
+  prefills into one batch wastes the work of every short row (docs/BENCHMARKS.md, "Fused
+  backend").  With the ``cpu_kernels`` backend's kernels, every fresh prefill of a step goes to one call
+  of minikv's causal prefill kernel instead (``cpu_kernels.prefill_attention``: faster than
+  SDPA one sequence at a time; not SDPA's bits, so ``score`` keeps SDPA).  Prefix-hit prefills form one group and decodes another: the queries over keys read
   from the pool, with an additive mask, and grouped-query attention folded into the query length
   (the ``rep`` query heads of one KV head become ``rep`` query rows), so never ``enable_gqa``
   with a mask: on CUDA that pair falls back to SDPA's slow math kernel.
 * **Fewer ops per layer.**  RoPE is ``x * cos + roll(x) * sin`` (rotate-half's sign folded
-  into the sine table; with the ``paged`` backend's kernels, one C++ op with the same
-  roundings in fp32 and bf16, ``paged_cpu.rope_``); residual adds are in place; ``rms_norm`` is one op; the pool already
+  into the sine table; with the ``cpu_kernels`` backend's kernels, one C++ op with the same
+  roundings in fp32 and bf16, ``cpu_kernels.rope_``); residual adds are in place; ``rms_norm`` is one op; the pool already
   has the model's dtype, so nothing is cast.  A step without a fresh prefill goes further (fused
   multiply-adds, residuals inside the matmul, q/k/v roped into the plan's buffer, blocks gathered
   into another, whose views the plan made once): see :func:`fused_forward`.  SmolLM2's decode
   step at batch 16 is 15 ops per layer and 492 in all (``tests/test_attention_fused.py``).
 
 Where it reads the pool: keys and values are gathered per group, whole blocks at a time and both
-at once (one ``index_select`` on the interleaved ``pool.kv_blocks[layer]``: 2-3x faster on the CPU
-than indexing every slot), padded to the group's longest context; new tokens' K and V are stored
-with one ``index_copy_`` likewise.  The ``paged`` backend skips that copy for decodes: a ``"paged"``
-group hands the block tables to minikv's C++ kernel (``paged_cpu.py``), which reads the pool in
+at once (one ``index_select`` on the interleaved ``pool.kv_blocks[layer]``: one copy per block,
+not per slot), padded to the group's longest context; new tokens' K and V are stored
+with one ``index_copy_`` likewise.  The ``cpu_kernels`` backend skips that copy for decodes: a ``"paged"``
+group hands the block tables to minikv's C++ kernel (``cpu_kernels.py``), which reads the pool in
 place, as vLLM's PagedAttention does.  On CUDA a paged kernel (FlashInfer, or ``flex_attention``
 with a paged block mask) would do the same; on the CPU ``flex_attention`` needs
 ``torch.compile``, which minikv never runs.
@@ -48,8 +47,8 @@ import torch.nn.functional as F
 from .fused_hit import HitPlan, rope_perm
 from .fused_plan import FusedPlan, Group, kv_views
 from .matmuls import matmuls_for
-from .paged_cpu import paged_decode, paged_prefill, prefill_attention, rms_norm as kernel_rms_norm, rope_ as kernel_rope_
-from .paged_cpu import rope_store_ as kernel_rope_store_
+from .cpu_kernels import paged_decode, paged_prefill, prefill_attention, rms_norm as kernel_rms_norm, rope_ as kernel_rope_
+from .cpu_kernels import rope_store_ as kernel_rope_store_
 from .paged_triton import paged_attention as triton_attention
 
 
@@ -85,9 +84,9 @@ def attend(layer: int, q: torch.Tensor, kv: torch.Tensor, pool, plan: FusedPlan,
                 qg = q[g.rows].view(-1, g.n_max, kv_heads, rep, dim).permute(0, 2, 3, 1, 4).reshape(
                     -1, kv_heads, rep * g.n_max, dim)
             o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=g.mask, scale=scale)
-            # reshape, not view: SDPA's output need not be contiguous.  On an H200 (torch 2.11)
-            # the kernel SDPA picked for fp32 with a mask returned [S, kv_heads, rows, D] laid out
-            # as [S, rows, kv_heads, D], which no view can flatten; reshape copies only then.
+            # reshape, not view: SDPA's output need not be contiguous.  On CUDA the kernel SDPA
+            # picks for fp32 with a mask can return [S, kv_heads, rows, D] laid out as
+            # [S, rows, kv_heads, D], which no view can flatten; reshape copies only then.
             if g.kind == "decode":
                 o = o.reshape(-1, heads * dim)
             else:
@@ -131,8 +130,8 @@ def fused_forward(model, input_ids: torch.Tensor, pool, plan: FusedPlan) -> torc
     rms = _norm(model, exact, plan.kernels)
     if isinstance(plan, HitPlan):  # prefix hits without the kernels: 16 ops per layer (fused_hit.py)
         return _hit_forward(model, x, pool, plan, mm, rms)
-    if plan.stored:  # prefix hits on the kernels: nine ops per layer, K/V read where they lie
-        return _stored_forward(model, x, pool, plan, mm, rms)
+    if plan.in_place:  # prefix hits on the kernels: nine ops per layer, K/V read where they lie
+        return _in_place_forward(model, x, pool, plan, mm, rms)
     for i, L in enumerate(model.layers):
         h = rms(x, L.input_norm)
         qkv = mm.qkv(i, h).view(t, -1, dim)
@@ -155,9 +154,9 @@ def fused_forward(model, input_ids: torch.Tensor, pool, plan: FusedPlan) -> torc
     return rms(x, model.norm)
 
 
-def _stored_forward(model, x, pool, plan: FusedPlan, mm, rms) -> torch.Tensor:
-    """The layers of a ``"stored"`` plan (``fused_plan.stored_plan``): RoPE and the pool write
-    are one op on the qkv matmul's 2-D output (``paged_cpu.rope_store_``), and the paged prefill
+def _in_place_forward(model, x, pool, plan: FusedPlan, mm, rms) -> torch.Tensor:
+    """The layers of an ``"in_place"`` plan (``fused_plan.in_place_plan``): RoPE and the pool write
+    are one op on the qkv matmul's 2-D output (``cpu_kernels.rope_store_``), and the paged prefill
     kernel reads q from that output and K/V from the pool, writing the plan's one output buffer.
     No view, split, gather, mask or reshape is dispatched per layer."""
     g, heads = plan.groups[0], model.shape.num_heads

@@ -1,9 +1,9 @@
-"""minikv's C++ kernels for the CPU (the ``paged`` backend): build them once, load them, call them.
+"""minikv's C++ kernels for the CPU (the ``cpu_kernels`` backend): build them once, load them, call them.
 
 The fused backend in pure PyTorch reads the KV pool by *copying* every decoding sequence's
 blocks into a padded tensor (one ``index_select`` per layer) and handing the copy to SDPA.  A
-decode step of a small model is memory-bound, so that copy and SDPA's second read of it were
-about 40% of a bf16 decode step on the 2-core CPU.  Production engines do not copy: vLLM's
+decode step of a small model is memory-bound, so that copy and SDPA's second read of it are a
+large share of the step.  Production engines do not copy: vLLM's
 PagedAttention kernels (and its CPU ``cpu_attention_with_kv_cache``) follow each sequence's
 block table inside the kernel.  ``kernels/paged_attention.cpp`` is minikv's version of that for
 the CPU, about two hundred lines of C++: one task per (sequence, KV head), an online softmax over
@@ -12,10 +12,10 @@ the CPU, about two hundred lines of C++: one task per (sequence, KV head), an on
 RMSNorm (five ops, four temporaries) and SwiGLU's ``silu(gate) * up`` (two), each one pass here;
 ``kernels/prefill_attention.cpp`` has causal attention for every fresh prefill of a step in one
 call (the keys of a KV head packed once for its ``rep`` query heads, tiles of queries times blocks
-of keys, about twice SDPA's speed on the 2-core CPU); and ``kernels/skinny_linear.cpp`` has a matmul for the few rows of a decode step or a prefix hit
+of keys, faster than SDPA one sequence at a time); and ``kernels/skinny_linear.cpp`` has a matmul for the few rows of a decode step or a prefix hit
 (1-48 rows, fp32, AVX-512), where the matmul libraries leave most of the CPU idle.
 
-Every ``kernels/*.cpp`` is compiled into one library, so the ``paged`` backend has all of them or
+Every ``kernels/*.cpp`` is compiled into one library, so the ``cpu_kernels`` backend has all of them or
 none.  ``kernel_build.py`` builds it, once, at set-up (``make model`` runs this module), into a
 cache keyed by the sources, torch, the compiler and the CPU.  :func:`available` only *loads* a
 build that already exists; it never compiles.  So the ``auto`` backend means ``paged`` where
@@ -183,7 +183,7 @@ def head_dims() -> tuple[int, ...]:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m minikv.engine.paged_cpu [--force]``: build the kernel (set-up runs this)."""
+    """``python -m minikv.backends.cpu_kernels [--force]``: build the kernel (set-up runs this)."""
     start = time.perf_counter()
     try:
         path = kernel_build.build(force="--force" in argv)

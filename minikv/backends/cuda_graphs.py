@@ -48,7 +48,7 @@ import torch
 
 from .attention_fused import fused_forward
 from .fused_plan import Group, build_plan, decode_mask
-from .kv_pool import slot_of
+from ..engine.kv_pool import slot_of
 
 INPUTS = 4  # per row of the static buffer, before the block table: token, position, slot, context length
 
@@ -69,8 +69,8 @@ def bucket(sizes: list[int], n: int) -> int | None:
 
 
 # The profiler's name for a replay.  ``bench_engine.count_ops`` counts it as one dispatched op and
-# not what runs inside it, as a CUDA host dispatches one graph launch for the whole step (issue 38's
-# proxy: "graph replays count as one"); the eager stand-in below is marked the same way, so the CPU
+# not what runs inside it, as a CUDA host dispatches one graph launch for the whole step (the op
+# budget's rule: "graph replays count as one"); the eager stand-in below is marked the same way, so the CPU
 # counts what a GPU's host would, and reports the ops inside separately.
 REPLAY = "minikv::graph_replay"
 

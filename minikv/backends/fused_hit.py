@@ -2,11 +2,11 @@
 
 A prefix hit computes a few new tokens against many cached ones.  Its arithmetic is small, so on
 a small model its cost is the number of ops it dispatches (each a Python call, and on a GPU a
-kernel launch), and issue 38 holds it to fewer than a miss's.  The general fused path
-(``fused_plan.build_plan``) spent 22 ops per layer on a hit: every layer viewed, permuted and
-reshaped its queries, indexed its padded rows and unpicked SDPA's output.  Here everything that
+kernel launch), and a hit must dispatch fewer than a miss (``tests/test_paged_prefill.py``).  The
+general fused path (``fused_plan.build_plan``) spends more ops per layer on a hit: every layer
+views, permutes and reshapes its queries, indexes its padded rows and unpicks SDPA's output.  Here everything that
 is the same in every layer is done once per step (:func:`hit_plan`), and a layer is 16 ops
-(``attention_fused._hit_forward``; the ``paged`` backend's C++ kernels get it to nine)::
+(``attention_fused._hit_forward``; the ``cpu_kernels`` backend's C++ kernels get it to nine)::
 
     rms_norm, qkv matmul                                  2
     RoPE: index_select (rotate-half), mul(out=), addcmul_  3   in 2-D: no view of the matmul's output
@@ -22,10 +22,9 @@ back to SDPA's math kernel).  The mask, the RoPE tables and every buffer and vie
 once; all sequences of the step (hits, and decodes as one-token hits) form one group, padded to
 the longest when that costs at most ``MAX_PAD_FACTOR`` (else the step takes the general path).
 
-Measured with ``tests/test_paged_prefill.py``'s counter (fp32, 2-core AMD EPYC, oneDNN-packed
-matmuls; a hit is 20 new tokens over a cached 1,000-token prefix): tiny-random hit 80 ops against
-a miss's 105 (112 before), SmolLM2's shapes 528 against 1,001 (728 before).  Thirty layers at 16
-ops cannot reach issue 38's 300 without fusing ops into kernels: that is the ``paged`` backend.
+Thirty layers at 16 ops cannot reach the 300-op budget of ``tests/test_paged_prefill.py`` without
+fusing ops into kernels: that is the ``cpu_kernels`` backend (the counts: docs/BENCHMARKS.md,
+"Fused backend").
 """
 from __future__ import annotations
 
@@ -33,7 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .fused_plan import MAX_PAD_FACTOR, kv_views, rope_tables, to_device_split
+from ..engine.model_runner import to_device_split
+from .fused_plan import MAX_PAD_FACTOR, kv_views, rope_tables
 
 
 @dataclass

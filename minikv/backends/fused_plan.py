@@ -1,6 +1,6 @@
 """The fused backend's plan: what every layer of one step needs, built once for the step.
 
-``attention.paged_attention`` (the reference) works out, in every layer, which rows belong to
+``attention.gather_attention`` (the reference) works out, in every layer, which rows belong to
 which sequence, gathers the blocks and builds the masks.  The answers are the same in all
 layers, so the fused backend (``attention_fused.py``) asks once per step: :func:`build_plan`
 turns the batch into tensors (the slot of every new token; per *group* of sequences the pool
@@ -27,13 +27,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ..engine.model_runner import to_device, to_device_split
+
 # A prefix-hit group is split into one group per sequence when padding it to its longest member
 # would more than double the query rows (one 4,000-token tail among short ones, say).
 MAX_PAD_FACTOR = 2.0
 # Decodes are split into two groups when that saves gathering at least this many blocks per layer.
-# An extra group costs about ten ops per layer (~50 us on the 2-core CPU), a gathered block of
-# SmolLM2 (K and V, 16 tokens) a few microseconds; 16 prompts of 128-473 tokens save ~90 blocks
-# (3-4% of a decode step, measured), while short contexts never split.
+# An extra group costs about ten ops per layer, a gathered block of SmolLM2 (K and V, 16 tokens)
+# a few microseconds, so only a large saving pays for it; short contexts never split.
 MIN_BLOCKS_SAVED = 32
 
 
@@ -75,29 +76,14 @@ class FusedPlan:
     sin: torch.Tensor  # same shape, rotate-half's sign folded in (not exact: 0 on v's heads)
     groups: list[Group]
     exact: bool = True  # a fresh prefill is in the step: keep transformers' op order (see fused_forward)
-    kernels: bool = False  # the "paged" backend: minikv's C++ CPU kernels (paged_cpu.py) where they apply
+    kernels: bool = False  # the "cpu_kernels" backend: minikv's C++ CPU kernels (cpu_kernels.py) where they apply
     rope_kernel: bool = False  # RoPE by minikv's one-pass op (the kernels, fp32 or bf16): cos/sin stay [T, 1, head_dim]
     qkv: torch.Tensor | None = None  # not exact, no RoPE kernel: [T, q_heads + 2 * kv_heads, D], each layer's roped q/k/v
     q: torch.Tensor | None = None  # [T, q_heads, D] view of ``qkv``
     kv: torch.Tensor | None = None  # [T, 2 * kv_heads, D] view: K heads then V heads, as a pool slot
-    stored: bool = False  # one "stored" group: RoPE and the pool write in one op, attention in place (the kernels)
-    out: torch.Tensor | None = None  # stored: [T, q_heads * D], every layer's attention output
-    positions: torch.Tensor | None = None  # stored: [T] position of each row (cos/sin are then whole tables)
-
-
-def to_device(values, dtype, device) -> torch.Tensor:
-    """A host list as a tensor on ``device``; on CUDA through pinned memory, without blocking."""
-    if device.type == "cuda":
-        return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
-    return torch.tensor(values, dtype=dtype, device=device)
-
-
-def to_device_split(lists: list[list[int]], device) -> tuple[torch.Tensor, ...]:
-    """Several host lists of ints as long tensors on ``device``, in one copy: each tensor is a
-    dispatch or four (and on CUDA a transfer), so a step sends its metadata in one and splits it
-    there (views, each contiguous)."""
-    flat = [v for values in lists for v in values]
-    return to_device(flat, torch.long, device).split([len(values) for values in lists])
+    in_place: bool = False  # one "in_place" group: RoPE and the pool write in one op, attention in place (the kernels)
+    out: torch.Tensor | None = None  # in_place: [T, q_heads * D], every layer's attention output
+    positions: torch.Tensor | None = None  # in_place: [T] position of each row (cos/sin are then whole tables)
 
 
 def _padded_rows(starts, news, n_max, device):
@@ -140,7 +126,7 @@ def _group(kind, starts, news, contexts, tables, *, block_size, pad_block, rep, 
 def _triton_group(seqs: list[tuple], pad_block: int, device) -> Group:
     """One ``"triton"`` group of ``seqs`` (``(start_row, num_new, context_len, block_table)``): ``table``
     [S, width], ``ctx`` [S, 3] (first row, new tokens, context length); the kernel writes the rows."""
-    table, meta = to_device_split(stored_lists(seqs, [], pad_block), device)
+    table, meta = to_device_split(in_place_lists(seqs, [], pad_block), device)
     return Group("triton", slice(0, 0), slice(0, 0), None, max(q[1] for q in seqs),
                  table.view(len(seqs), -1), ctx=meta.view(len(seqs), 3))
 
@@ -192,16 +178,13 @@ def build_plan(model, positions: torch.Tensor, slots: torch.Tensor, prefills: li
     ``extra_groups``: groups planned by the caller (``cuda_graphs.py``'s static decode group).
     ``paged``: all decodes form one ``"paged"`` group for the C++ kernel (it pads nothing, so
     there is nothing to gain from splitting them by length).  ``causal_kernel`` (with ``paged``):
-    all fresh prefills form one ``"causal"`` group for the prefill kernel, about twice as fast as
-    SDPA one sequence at a time.  It reduces in another order than SDPA, so its prefills are no
-    longer transformers' bits: 5.8e-5 (tiny-random) and 1.8e-4 (SmolLM2, largest logit 37.7) apart
-    in fp32, on prompts of up to 700 tokens, within the decode tolerance (2e-4).  ``score``, whose
+    all fresh prefills form one ``"causal"`` group for the prefill kernel, faster than SDPA one
+    sequence at a time.  It reduces in another order than SDPA, so its prefills are no longer
+    transformers' bits, though within the decode tolerance (2e-4 of the largest logit).  ``score``, whose
     logits are the ones compared with transformers', leaves it off and stays bit for bit.  ``triton``: hits
     and decodes in one group for the Triton kernel (``paged_triton.py``).  A step of prefix hits without a fresh
-    prefill runs :func:`stored_plan` instead (the tiled kernel reading the pool in place; an
-    earlier row-at-a-time version lost to gather + SDPA, this one mostly wins: kernel / (gather +
-    SDPA) per layer, 20 new tokens over 1,012, 0.50 fp32 and 0.46 bf16, interleaved medians on
-    the loaded 2-core CPU, load ~4.7, so noisy; 8 new tokens in bf16 lost, 1.43)."""
+    prefill runs :func:`in_place_plan` instead (the tiled kernel reading the pool in place, which
+    beats gather + SDPA on hits of a few dozen new tokens: docs/BENCHMARKS.md, "CPU kernels")."""
     s, device, dtype = model.shape, model.device, model.dtype
     # Only a fresh prefill is held to transformers' exact rounding (its logits, and ``score``'s, match
     # bit for bit); prefix-hit prefills and decodes reduce in another order anyway (2e-4).
@@ -241,15 +224,15 @@ def build_plan(model, positions: torch.Tensor, slots: torch.Tensor, prefills: li
     return plan
 
 
-def stores(model, paged: bool, prefills: list[tuple]) -> bool:
-    """Whether a step runs the ``"stored"`` plan (:func:`stored_plan`): the kernels, a dtype they
+def reads_in_place(model, paged: bool, prefills: list[tuple]) -> bool:
+    """Whether a step runs the ``"in_place"`` plan (:func:`in_place_plan`): the kernels, a dtype they
     take, prefix hits, and no fresh prefill (a fresh one keeps transformers' op order)."""
     return paged and model.dtype in (torch.float32, torch.bfloat16) and bool(prefills) and \
         all(p[1] < p[2] for p in prefills)
 
 
-def stored_lists(prefills: list[tuple], decodes: list[tuple], pad_block: int) -> list[list[int]]:
-    """The host lists of a ``"stored"`` group, to be sent with the step's other metadata in one
+def in_place_lists(prefills: list[tuple], decodes: list[tuple], pad_block: int) -> list[list[int]]:
+    """The host lists of an ``"in_place"`` group, to be sent with the step's other metadata in one
     copy (``to_device_split``): every block table padded to the longest with ``pad_block``, flat,
     and (first row, new tokens, context length) of every sequence, flat; hits first, then decodes
     as one new token each."""
@@ -259,9 +242,9 @@ def stored_lists(prefills: list[tuple], decodes: list[tuple], pad_block: int) ->
             [v for q in seqs for v in q[:3]]]
 
 
-def stored_plan(model, positions, slots, table, seqs) -> FusedPlan:
+def in_place_plan(model, positions, slots, table, seqs) -> FusedPlan:
     """The plan of a step with prefix hits and no fresh prefill, on the kernels (``table`` and
-    ``seqs``: :func:`stored_lists` on the device, flat): every sequence in one ``"stored"`` group
+    ``seqs``: :func:`in_place_lists` on the device, flat): every sequence in one ``"in_place"`` group
     for the paged prefill kernel, which reads the pool in place, so nothing is gathered, padded or
     masked.  RoPE's tables are looked up by the kernel at each row's position
     (:func:`rope_tables`), and one output buffer serves every layer.  Per layer that leaves nine
@@ -269,10 +252,10 @@ def stored_plan(model, positions, slots, table, seqs) -> FusedPlan:
     (``attention_fused.fused_forward``); per step, the buffer and the logits' few."""
     cos_table, sin_table = rope_tables(model)
     s = model.shape
-    group = Group("stored", slice(0, 0), slice(0, 0), None, 0, table, ctx=seqs)
+    group = Group("in_place", slice(0, 0), slice(0, 0), None, 0, table, ctx=seqs)
     out = torch.empty(positions.shape[0], s.num_heads * s.head_dim, dtype=model.dtype, device=model.device)
     return FusedPlan(slots, cos_table, sin_table, [group], exact=False, kernels=True, rope_kernel=True,
-                     stored=True, out=out, positions=positions)
+                     in_place=True, out=out, positions=positions)
 
 
 def _bind(plan: FusedPlan, model, block_size: int) -> None:

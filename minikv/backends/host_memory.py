@@ -9,10 +9,8 @@ and zero again, one 4 KiB page at a time.  Memory below that threshold comes fro
 the heap's top is trimmed back to the kernel as soon as 128 KiB or so lie free there.  Either way
 the engine pays for page faults on memory it owned a moment ago.
 
-Counted on the 2-core CPU (SmolLM2, fp32, the benchmark's 16 prompts, 4,500 tokens): about
-440,000 minor page faults per prefill (1.8 GB of pages touched anew), and 14,000 with the two
-settings below; the prefill ran 157 and 166 GFLOP/s before, 176 and 174 after (two processes
-each, alternating), at the same peak resident memory.  Production CPU engines get the same effect
+A prefill of the benchmark's prompts touches gigabytes of pages anew this way; with the two
+settings below almost none (docs/BENCHMARKS.md, "Host memory", has the counts).  Production CPU engines get the same effect
 another way: vLLM's CPU documentation has you preload TCMalloc, whose caches keep freed memory.
 
 :func:`keep_freed_memory` asks glibc, through ``mallopt``, to (1) serve every request from the
@@ -26,11 +24,8 @@ The price of keeping freed memory is that a process never gives it back.  That i
 temporaries, which the next step wants again, and wrong for the one allocation that is big and
 lives as long as its engine: the KV pool (1 GiB by default).  A process that builds engine after
 engine -- a benchmark, a lesson comparing forks, the test suite -- would keep every dead pool's
-gigabyte in its heap, where fragmentation stops the next pool from reusing it.  Measured on
-the 2-core CPU with a random SmolLM2-shaped model: the benchmark's throughput section (2 requests)
-peaked at 10.1 GB resident with pools in the heap and at 5.1 GB with pools on their own pages;
-its prefill section at 8.5 and 4.2 GB.  (The first such run to be noticed, a ``make gpu-check``
-dry run under transformers 5.17, was killed past 15 GB on a 24 GB machine.)
+gigabyte in its heap, where fragmentation stops the next pool from reusing it: such a process's
+peak resident memory roughly doubles (docs/BENCHMARKS.md, "Host memory").
 :func:`mapped_zeros` therefore gives the pool pages of its own, an anonymous ``mmap`` outside the
 heap: the kernel hands them out already zero, only as they are first written (a pool a lesson
 barely uses costs little), and takes them back the moment the pool's tensor dies.
@@ -94,9 +89,8 @@ def give_back_freed_memory() -> bool:
     The price of :func:`keep_freed_memory` is a process that keeps its high-water mark.  A process
     that moves from one large job to another -- a benchmark section to the next, each with its own
     engines and transformers models -- may ask for the pages back between them: ``malloc_trim``
-    returns every free page of the heap, not only its top.  Measured on the 2-core CPU: the gpu-check
-    dry run's bench (four sections in one process) peaked at 8.7 GB resident, each section alone
-    at 2.5-5.7 GB.  Returns False where there is no glibc.
+    returns every free page of the heap, not only its top, so a process running several sections
+    peaks near its largest section instead of their sum.  Returns False where there is no glibc.
     """
     libc = _libc()
     trim = getattr(libc, "malloc_trim", None) if libc is not None else None
@@ -114,10 +108,9 @@ def mapped_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if nbytes == 0:  # nothing to map (mmap refuses a length of 0)
         return torch.zeros(shape, dtype=dtype)
     # Private, anonymous, zero-filled by the kernel on first touch, not now: a pool's pages fault
-    # in as its blocks are first written, about 0.28 s per GiB on the 2-core CPU (12 us per token of
-    # SmolLM2 in fp32, under 1% of its prefill), once in the pool's life.  Populating all of it
-    # up front (MAP_POPULATE, 0.38 s per GiB) made every fork of a lesson or benchmark pay for
-    # pages it never used: the throughput section took 85 s instead of 49 (one run each).
+    # in as its blocks are first written, a small fraction of a prefill's cost, once in the pool's
+    # life.  Populating all of it up front (MAP_POPULATE) would make every fork of a lesson or
+    # benchmark pay for pages it never uses.
     pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
     return torch.frombuffer(pages, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
@@ -127,11 +120,10 @@ def populate(t: torch.Tensor) -> str:
 
     A pool on :func:`mapped_zeros` pages pays for each page the first time it is written, inside
     whatever write comes first: a request's K/V store, or the ``on_alloc`` scrub that zeroes the
-    block just before.  The price is not fixed.  On the 2-core VM that runs this course, zeroing a
-    fresh GiB page by page took 5.2 s in one run and 0.7 s in the next (most likely because the VM
-    reports free pages back to its host, ``page_reporting`` on its kernel command line, and a page
-    that went back costs the host a fault of its own), while asking the kernel for all the pages at
-    once took 0.34-0.37 s.  A long-running server pays this once in its
+    block just before.  The price is not fixed: on a VM that reports free pages back to its host
+    (``page_reporting``), a page that went back costs the host a fault of its own, and zeroing a
+    fresh gigabyte page by page varies several-fold from run to run, while asking the kernel for
+    all the pages at once is steady (docs/BENCHMARKS.md, "Host memory").  A long-running server pays this once in its
     life; a benchmark that wants the steady state pays it before it starts the clock.
 
     Linux's ``madvise(MADV_POPULATE_WRITE)`` does exactly this in the kernel.  Elsewhere, or on an
@@ -156,3 +148,19 @@ def populate(t: torch.Tensor) -> str:
     flat[:1].add_(0)
     flat[first::page].add_(0)
     return "touch"
+
+
+class HostMemory:
+    """A CPU pool's :class:`~minikv.engine.kv_pool.PoolMemory`: :func:`mapped_zeros` pages, made
+    resident by :func:`populate`.  Elsewhere than the CPU, ``torch.zeros`` (resident already)."""
+
+    def zeros(self, shape, dtype, device) -> torch.Tensor:
+        if device.type == "cpu":
+            return mapped_zeros(shape, dtype)
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    def populate(self, t: torch.Tensor) -> str:
+        return populate(t) if t.device.type == "cpu" else "resident"
+
+
+HOST_MEMORY = HostMemory()

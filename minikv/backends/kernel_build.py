@@ -1,20 +1,20 @@
 """Building minikv's C++ CPU kernels: once, at set-up, into a cache keyed by everything they depend on.
 
-``paged_cpu.py`` loads and calls the kernels; this module only makes the library it loads.
+``cpu_kernels.py`` loads and calls the kernels; this module only makes the library it loads.
 
 * **Where.** ``$MINIKV_HOME/kernels/minikv_cpu-<key>.so``.  The key hashes every source and
   header, the torch version, the compiler, the CPU's feature flags and the flags below, so an
   edited kernel, another torch or another machine never loads a stale build
   (:func:`library_path`).
 * **When.** ``make model`` (so ``make course`` and ``make test``) runs ``python -m
-  minikv.engine.paged_cpu``, which calls :func:`build`.  Nothing else compiles: a lesson or a
+  minikv.backends.cpu_kernels``, which calls :func:`build`.  Nothing else compiles: a lesson or a
   request that finds no build runs the pure-PyTorch ``fused`` backend instead of waiting.
 * **How.** Each ``kernels/*.cpp`` is compiled to an object file on its own, several at once, and
   the objects are linked into one shared library.  Every source includes ATen's headers, which
-  cost most of the time: on the 2-core machine the five sources took 8.5-12.4 s each, 53-59 s
-  in one ``g++`` call (three runs), which compiles them one after another, and 33-34 s here.  The library is written beside
+  cost most of the time, so one compiler per usable core beats one ``g++`` call that compiles
+  them one after another (docs/BENCHMARKS.md, "CPU kernels", has the times).  The library is written beside
   its final name and renamed into place, so a build that fails or is interrupted never leaves
-  half a file where :func:`paged_cpu.available` would load it.
+  half a file where :func:`cpu_kernels.available` would load it.
 * **Clean-up.** Every minikv or torch upgrade makes a new build (~0.6 MB).  Builds that nothing
   has built or loaded for ``STALE_AFTER_DAYS`` are deleted by the next build (:func:`prune`);
   loading a build marks it used, so another environment's build is kept while it is in use.
@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from ..home import minikv_home
-from .device import usable_cores
+from ..engine.device import usable_cores
 
 KERNELS = Path(__file__).parent / "kernels"
 SOURCES = sorted(KERNELS.glob("*.cpp"))

@@ -18,24 +18,18 @@ A decoder layer has four weight matrices (qkv, o_proj, gate_up, down) and two re
   CPU, see ``torch/_inductor/fx_passes/mkldnn_fusion.py``) and every step calls the packed kernel (``torch.ops.mkldnn._linear_pointwise``), with its
   epilogues: the residual add (``"add"``), SiLU on the gate (``"swish"``) and the gate-times-up
   product (``"mul"``) happen inside the matmul, so the MLP is three ops instead of five.
-  Measured on the 2-core CPU (AMX), SmolLM2's 120 layer matmuls in bf16: 16 rows 18.7 ms dense
-  vs 12.2 ms packed, 300 rows 49 vs 38 ms, 1,282 rows 142 vs 125 ms, 4,096 rows the same.
-  In fp32 only steps without a fresh prefill use them (16 rows: 38 vs 32 ms): oneDNN's fp32
+  Packed wins most at few rows and nothing at thousands (docs/BENCHMARKS.md, "Packed matmuls").
+  In fp32 only steps without a fresh prefill use them: oneDNN's fp32
   kernel reduces in another order than the MKL call transformers makes, so a fresh prefill keeps
   ``F.linear`` and its logits keep matching transformers exactly.  The packed copy costs the memory of the weights
   again (the dense ones stay: prefills in fp32, the reference backend and the embedding use them).
 * :class:`SkinnyMatmuls` -- steps of at most :func:`skinny_max_rows` rows (a decode batch, a
   prefix hit's new tokens: ``SKINNY_MAX_ROWS``, except bf16 on a CPU with AMX, where oneDNN's
-  AMX kernel wins past ``SKINNY_BF16_MAX_ROWS_AMX``) on the ``paged`` backend, whose C++ kernels include a matmul for few
-  rows (``kernels/skinny_linear.cpp``: fp32 with AVX-512, bf16 with AVX512-BF16).  In bf16,
-  measured on an AMD EPYC without AMX (SmolLM2's 120 layer matmuls, one pass, the two
-  interleaved, medians of 7): 1 row 9.1 ms against 18.4 ms oneDNN-packed, 16 rows 14.0 against
-  21.0, 28 rows 22.7 against 28.8, 48 rows 33.0 against 44.9; bf16 prefills keep oneDNN's packed
-  kernel.  In fp32, measured on the 2-core Intel CPU (C in docs/BENCHMARKS.md), SmolLM2's 120 layer
-  matmuls, interleaved, medians of two runs: 16 rows 34.4 and 33.2 ms against 44.5 and 46.9
-  oneDNN-packed and 59.0 and 59.6 dense; 28 rows 47.2 and 40.8 against 61.5 and 53.1 and 72.8 and
-  61.8 (the kernel's header has the table).  Longer steps go back to ``F.linear``.  Its
-  packed copy replaces oneDNN's (the ``paged`` backend never packs fp32 weights for oneDNN).
+  AMX kernel wins past ``SKINNY_BF16_MAX_ROWS_AMX``) on the ``cpu_kernels`` backend, whose C++ kernels include a matmul for few
+  rows (``kernels/skinny_linear.cpp``: fp32 with AVX-512, bf16 with AVX512-BF16), which beats
+  oneDNN's packed kernel and ``F.linear`` at these sizes in both dtypes (docs/BENCHMARKS.md,
+  "Packed matmuls"); bf16 prefills keep oneDNN's packed kernel.  Longer steps go back to ``F.linear``.  Its
+  packed copy replaces oneDNN's (the ``cpu_kernels`` backend never packs fp32 weights for oneDNN).
 
 No compilation is involved: these are eager ops (ATen's, or minikv's registered C++ ops), run one
 by one like every other op here.
@@ -47,18 +41,15 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from . import paged_cpu
-from .paged_cpu import silu_mul, skinny_linear
+from . import cpu_kernels
+from .cpu_kernels import silu_mul, skinny_linear
 
-# Steps of at most this many rows run on the few-row matmul (SkinnyMatmuls); past it, F.linear.  Set
-# where a first, noisy measurement had the libraries level at 64 rows; interleaved runs later put
-# the kernel still ~10% ahead there (kernels/skinny_linear.cpp), so the bound is conservative.
+# Steps of at most this many rows run on the few-row matmul (SkinnyMatmuls); past it, F.linear.  A
+# conservative bound: the libraries catch up a little past it (docs/BENCHMARKS.md, "Packed matmuls").
 SKINNY_MAX_ROWS = 48
 # In bf16 on a CPU with AMX, oneDNN runs its packed matmul on the AMX tile unit, and that wins from
-# about a dozen rows: SmolLM2's 120 layer matmuls on the 2-core Intel Xeon with AMX (interleaved,
-# medians of 9) took 14.0 / 15.4 / 17.7 / 23.4 / 35.5 / 98.4 ms here at 2 / 4 / 8 / 12 / 16 / 48
-# rows against oneDNN's 22.7 / 28.6 / 22.4 / 22.7 / 27.0 / 29.4.  So there bf16 steps of more
-# than this many rows stay on oneDNN; without AMX (AVX512-BF16 only) the bound above holds.
+# about a dozen rows (docs/BENCHMARKS.md, "Packed matmuls").  So there bf16 steps of more than this
+# many rows stay on oneDNN; without AMX (AVX512-BF16 only) the bound above holds.
 SKINNY_BF16_MAX_ROWS_AMX = 8
 
 
@@ -81,8 +72,8 @@ def skinny_max_rows(model) -> int:
 
 def _packing_available(dtype: torch.dtype = torch.float32) -> bool:
     """Whether oneDNN can pack weights of ``dtype`` on this CPU.  Its bf16 kernels need AVX-512
-    (BW, VL, DQ), AVX-NE-CONVERT or AMX: on an AVX2-only CPU (many laptops, and the 2-core AMD
-    EPYC without AVX-512 in docs/BENCHMARKS.md) the reorder raises, so bf16 stays on ``F.linear``
+    (BW, VL, DQ), AVX-NE-CONVERT or AMX: on an AVX2-only CPU (many laptops, and some
+    server CPUs) the reorder raises, so bf16 stays on ``F.linear``
     there, which ATen runs through its own bf16 fallback."""
     ops = getattr(torch.ops, "mkldnn", None)
     try:
@@ -110,7 +101,7 @@ def _bf16_packing_supported() -> bool:
 
 class DenseMatmuls:
     """``F.linear`` on the checkpoint's matrices (see the module docstring for ``exact``).
-    ``kernels``: SwiGLU's ``silu(gate) * up`` is minikv's one-pass C++ op (``paged_cpu.silu_mul``,
+    ``kernels``: SwiGLU's ``silu(gate) * up`` is minikv's one-pass C++ op (``cpu_kernels.silu_mul``,
     bit for bit ATen's ``F.silu(gate) * up`` in fp32, so exact steps may use it too)."""
 
     def __init__(self, model, exact: bool, kernels: bool = False):
@@ -177,11 +168,11 @@ class PackedMatmuls:
 
 
 class SkinnyLayer:
-    """One layer's weights in the few-row matmul's panels (``paged_cpu.skinny_pack``)."""
+    """One layer's weights in the few-row matmul's panels (``cpu_kernels.skinny_pack``)."""
 
     def __init__(self, L):
         self.qkv, self.o_proj, self.gate_up, self.down = (
-            (paged_cpu.skinny_pack(w), w.shape[0]) for w in (L.qkv, L.o_proj, L.gate_up, L.down))
+            (cpu_kernels.skinny_pack(w), w.shape[0]) for w in (L.qkv, L.o_proj, L.gate_up, L.down))
         self.qkv_bias, self.o_bias, self.gate_up_bias, self.down_bias = L.qkv_bias, L.o_bias, L.gate_up_bias, L.down_bias
 
 
@@ -211,13 +202,13 @@ def _bias(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
 
 
 def skinny(model, kernels: bool) -> bool:
-    """Whether ``model``'s steps of few rows run on the few-row matmul: the ``paged`` backend's
+    """Whether ``model``'s steps of few rows run on the few-row matmul: the ``cpu_kernels`` backend's
     kernels on a CPU, in fp32 built with AVX-512 or in bf16 built with AVX512-BF16."""
-    if not (kernels and model.device.type == "cpu" and paged_cpu.available()):
+    if not (kernels and model.device.type == "cpu" and cpu_kernels.available()):
         return False
     if model.dtype == torch.float32:
-        return paged_cpu.skinny_supported()
-    return model.dtype == torch.bfloat16 and paged_cpu.skinny_bf16_supported()
+        return cpu_kernels.skinny_supported()
+    return model.dtype == torch.bfloat16 and cpu_kernels.skinny_bf16_supported()
 
 
 def _skinny_step(model, exact: bool, kernels: bool, rows: int) -> bool:
@@ -248,7 +239,7 @@ def logits(model, hidden: torch.Tensor, exact: bool, kernels: bool = False) -> t
 def skinny_head(model) -> tuple[torch.Tensor, int]:
     """The LM head in the few-row matmul's panels, with its width (packed once, kept on the model)."""
     if getattr(model, "_skinny_head", None) is None:
-        model._skinny_head = (paged_cpu.skinny_pack(model.lm_head), model.lm_head.shape[0])
+        model._skinny_head = (cpu_kernels.skinny_pack(model.lm_head), model.lm_head.shape[0])
     return model._skinny_head
 
 
@@ -261,10 +252,9 @@ def packed_head(model) -> torch.Tensor:
 
 def prepare(model, kernels: bool = False) -> None:
     """Pack ``model``'s weights now, if any fused step of it would run on packed ones: the engine
-    calls this when it is built, so that the reorder (about 0.3 s for SmolLM2 in fp32 on the 2-core
-    CPU) is paid at start-up, as vLLM pays its warm-up, not by the first request to reach a
-    decode or a prefix hit (a first prefix-hit TTFT of 360 ms against 95 ms for the next ones,
-    measured).  In bf16 with the few-row matmul both copies are made: few-row steps use its
+    calls this when it is built, so that the reorder (a noticeable fraction of a second for
+    SmolLM2) is paid at start-up, as vLLM pays its warm-up, not by the first request to reach a
+    decode or a prefix hit, whose TTFT it would inflate several-fold.  In bf16 with the few-row matmul both copies are made: few-row steps use its
     panels, prefills oneDNN's.  Idempotent; forks sharing the weights share the packs."""
     if skinny(model, kernels):  # few-row steps (decodes, prefix hits)
         matmuls_for(model, exact=False, kernels=kernels, rows=1)
@@ -277,7 +267,7 @@ def prepare(model, kernels: bool = False) -> None:
 def matmuls_for(model, exact: bool, kernels: bool = False, rows: int | None = None):
     """The matmuls of one fused step of ``model`` over ``rows`` token rows (packed ones are built
     on first use and kept on the model, so forks sharing its weights share them too).
-    ``kernels``: the ``paged`` backend's C++ ops may run (the few-row matmul; SwiGLU's one-pass op
+    ``kernels``: the ``cpu_kernels`` backend's C++ ops may run (the few-row matmul; SwiGLU's one-pass op
     between dense matmuls: oneDNN-packed ones fuse SwiGLU already)."""
     if rows is not None and _skinny_step(model, exact, kernels, rows):
         if getattr(model, "_skinny", None) is None:

@@ -11,8 +11,8 @@ torch's could change what ``torch.compile`` does).  On a CUDA machine torch brin
 CPU, ``make triton`` installs it into ``.triton-site`` for the tests, which run the kernel in
 Triton's interpreter (``TRITON_INTERPRET=1``, in a subprocess) to check it equals the reference.
 
-The metadata is what the fused plan already sends for a ``"stored"`` group
-(``fused_plan.stored_lists``): per sequence ``(first flat row, new tokens, context length)``
+The metadata is what the fused plan already sends for an ``"in_place"`` group
+(``fused_plan.in_place_lists``): per sequence ``(first flat row, new tokens, context length)``
 and its block table, padded to the longest with the pool's pad block (never read: the kernel
 stops at each sequence's context).
 """

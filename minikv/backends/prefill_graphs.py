@@ -1,9 +1,9 @@
 """CUDA graphs for prefill steps: one sequence's prefix hit or miss, replayed from a bucket.
 
 **Why.**  On a GPU, a small model's prefill is launch-bound like its decode (``cuda_graphs.py``):
-issue 38 measured a 1,000-token prefix hit of SmolLM2's shapes in bf16 on an H200 at 1.9 ms of
-device time under 16.9 ms of host time (``scripts/profile_ttft.py``), the host dispatching 660
-kernels one by one.  A hit then costs what a miss costs, and the leak the course teaches (a hit
+a prefix hit of SmolLM2's shapes spends a fraction of its host time on the device, the host
+dispatching hundreds of kernels one by one (``scripts/profile_ttft.py`` measures it;
+docs/BENCHMARKS.md, "CUDA graphs").  A hit then costs what a miss costs, and the leak the course teaches (a hit
 answers sooner) is hidden by the host, though the GPU did far less work for the hit.  Replaying
 the step from a graph leaves the host a few dispatches, and the GPU's own time decides the TTFT.
 
@@ -49,7 +49,7 @@ from .attention_fused import fused_forward
 from .cuda_graphs import GraphRunner, bucket, width_buckets
 from .fused_hit import hit_plan
 from .fused_plan import Group, build_plan
-from .kv_pool import slot_of
+from ..engine.kv_pool import slot_of
 from .matmuls import logits as fused_logits
 
 MAX_GRAPHS = 256  # buckets kept at most; each holds its kernels' arguments and its logits

@@ -1,65 +1,69 @@
-"""Which attention path runs the model: the registry of attention backends (no torch import).
+"""Which forward pass an engine runs: the registry of attention backends (no torch import).
 
-minikv has two implementations of the same forward pass, chosen by
-``EngineConfig.attention_backend`` (``--attention-backend``):
+minikv has one forward pass written three ways, chosen by ``EngineConfig.attention_backend``
+(``--attention-backend``) and built by :func:`minikv.backends.make_backend`:
 
-* ``"reference"`` -- ``attention.paged_attention``: the explicit gather.  Every layer loops over
-  the prefills, gathers each decoding sequence's blocks into a padded tensor and builds its
-  mask.  It is the code the course reads, and it is the only path with the test-only seams of
-  ``seams.py`` (a decode mask, a KV-read observer): an engine with one installed runs it.
-* ``"fused"`` -- ``attention_fused``: the same arithmetic with the per-step work hoisted out
+* ``"reference"`` -- the engine's own ``model_runner.ReferenceBackend``: the explicit gather of
+  ``attention.gather_attention``.  Every layer loops over the prefills, gathers each decoding
+  sequence's blocks into a padded tensor and builds its mask.  It is the code the course reads,
+  and the only path with the test-only seams of ``seams.py`` (a decode mask, a KV-read observer):
+  an engine with one installed runs it.
+* ``"fused"`` -- ``fused.FusedBackend``: the same arithmetic with the per-step work hoisted out
   of the layers.  Slot indices, gather indices, masks and RoPE tables are built once per step
-  (:class:`~minikv.engine.fused_plan.FusedPlan`); prefill, prefix-hit prefill and decode
+  (:class:`~minikv.backends.fused_plan.FusedPlan`); prefill, prefix-hit prefill and decode
   each run as one batched attention call per layer; residual adds ride on ``addmm``.  Pure
   PyTorch, no compilation, on every device.
-* ``"paged"`` -- ``"fused"``, except that decodes attend through minikv's C++ CPU kernel
-  (``paged_cpu.py``), which follows each sequence's block table and reads K and V where they
-  lie in the pool: no gathered copy, no padding to the longest context, no mask.  CPU only; the
-  kernel is compiled once at set-up (``make model``), never by a request.
+* ``"cpu_kernels"`` -- ``"fused"``, except that decodes, prefix hits and fresh prefills attend
+  through minikv's C++ CPU kernels (``cpu_kernels.py``), which follow each sequence's block table
+  and read K and V where they lie in the pool: no gathered copy, no padding to the longest
+  context, no mask; RMSNorm, RoPE, SwiGLU and the few-row matmul are C++ ops too.  CPU only; the
+  kernels are compiled once at set-up (``make model``), never by a request.  Its old name,
+  ``"paged"``, is refused with a message naming the new one.
 * ``"triton"`` -- ``"fused"``, except that prefix hits, and the decodes that share their steps,
   attend through minikv's Triton kernel (``paged_triton.py``, ``paged_triton_kernel.py``), which
-  reads K and V where they lie in the pool through each block table, as ``"paged"`` does on
-  the CPU: no per-layer gather of whole blocks into a contiguous copy.  CUDA only, where torch's
-  build ships Triton; decode-only steps replay the fused backend's CUDA graphs (unless
-  ``enforce_eager``: then they too go to the kernel), and a step prefilling one sequence alone
-  replays a prefill graph whose hits call the kernel (``prefill_graphs.py``).  Fresh prefills
-  keep SDPA.  Never picked by
-  ``"auto"``: no GPU has measured it yet.
-* ``"auto"`` -- ``"paged"`` on a CPU where set-up built the kernel, ``"fused"`` everywhere else
-  (measured on the 2-core CPU, see docs/BENCHMARKS.md).  It never compiles anything: on the
-  CPU ``flex_attention`` works only through ``torch.compile`` (about 27 s for the first compile
-  and about 2x slower than SDPA at 1,024 tokens, measured for issue 11), so SDPA or the
-  prebuilt kernel it is; a machine without a compiler simply runs ``"fused"``.
+  reads K and V where they lie in the pool through each block table, as ``"cpu_kernels"`` does
+  on the CPU.  CUDA only, where torch's build ships Triton; decode-only steps replay the fused
+  backend's CUDA graphs (unless ``enforce_eager``: then they too go to the kernel), and a step
+  prefilling one sequence alone replays a prefill graph whose hits call the kernel
+  (``prefill_graphs.py``).  Fresh prefills keep SDPA.  Never picked by ``"auto"``: no GPU has
+  measured it yet.
+* ``"auto"`` -- ``"cpu_kernels"`` on a CPU where set-up built the kernels, ``"fused"``
+  everywhere else (docs/BENCHMARKS.md has the measurements).  It never compiles anything: on
+  the CPU ``flex_attention`` works only through ``torch.compile`` (a long first compile, and
+  slower than SDPA at 1,024 tokens), so SDPA or the prebuilt kernels it is; a machine without a
+  compiler simply runs ``"fused"``.
 
-The names live here, free of torch, so ``config`` and the CLI can list them; the implementations
-are registered under the same names in ``model_runner.FORWARDS`` (a test checks the two agree).
+The names live here, free of torch, so ``config`` and the CLI can list them.
 """
 from __future__ import annotations
+
+from ..engine.config import ATTENTION_BACKENDS, RENAMED_BACKENDS as RENAMED
 
 BACKENDS = {
     "reference": "explicit per-layer gather and masks (what the lessons read)",
     "fused": "per-step metadata, batched SDPA per layer, no per-layer casts",
-    "paged": "fused, with minikv's C++ CPU kernels: decodes and prefix hits read in place from the pool, fresh prefills in one call",
+    "cpu_kernels": "fused, with minikv's C++ CPU kernels: decodes and prefix hits read in place from the pool, fresh prefills in one call",
     "triton": "fused, with minikv's Triton kernel on CUDA: prefix hits and decodes read in place from the pool",
 }
-FUSED = ("fused", "paged", "triton")  # the backends that run attention_fused.fused_forward
-ATTENTION_BACKENDS = (*BACKENDS, "auto")
+FUSED = ("fused", "cpu_kernels", "triton")  # the backends that run attention_fused.fused_forward
 
 
 def resolve_backend(name: str, device_type: str, head_dim: int | None = None, dtype: str | None = None) -> str:
     """The concrete backend ``name`` means on a device of type ``device_type`` (``"cpu"``,
     ``"cuda"``) for a model of ``head_dim`` in ``dtype`` (``"float32"``...; ``None``: not checked)."""
+    if name in RENAMED:
+        raise ValueError(f"attention_backend={name!r} is now called {RENAMED[name]!r}")
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend={name!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
-    if name == "paged":
+    if name == "cpu_kernels":
         if device_type != "cpu":
-            raise ValueError(f"attention_backend='paged' is minikv's CPU kernel; on {device_type!r} use 'fused' or 'auto'")
+            raise ValueError(f"attention_backend='cpu_kernels' is minikv's CPU kernels; on {device_type!r} use 'fused' or 'auto'")
         why = _kernel_unsupported(head_dim, dtype)
         if why:
-            raise ValueError(f"attention_backend='paged': {why}; use 'fused' or 'auto'")
+            raise ValueError(f"attention_backend='cpu_kernels': {why}; use 'fused' or 'auto'")
         if not _kernel_built():
-            raise RuntimeError("attention_backend='paged' needs its kernel built once: `make model` or "
-                               "`python -m minikv.engine.paged_cpu` (a C++ compiler is required); 'fused' needs none")
+            raise RuntimeError("attention_backend='cpu_kernels' needs its kernels built once: `make model` or "
+                               "`python -m minikv.backends.cpu_kernels` (a C++ compiler is required); 'fused' needs none")
         return name
     if name == "triton":
         if device_type != "cuda":
@@ -77,7 +81,7 @@ def resolve_backend(name: str, device_type: str, head_dim: int | None = None, dt
     # On CUDA, the fused backend's decode-only steps and steps prefilling one sequence alone replay
     # CUDA graphs (cuda_graphs.py, prefill_graphs.py) unless enforce_eager; other steps run eagerly.
     if device_type == "cpu" and not _kernel_unsupported(head_dim, dtype) and _kernel_built():
-        return "paged"
+        return "cpu_kernels"
     return "fused"
 
 
@@ -102,6 +106,6 @@ def _triton_importable() -> bool:
 
 
 def _kernel_built() -> bool:
-    from .paged_cpu import available  # imports torch: only when an engine is being built
+    from .cpu_kernels import available  # imports torch: only when an engine is being built
 
     return available()

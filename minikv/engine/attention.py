@@ -1,4 +1,4 @@
-"""Paged attention over the KV pool, written with plain PyTorch ops.
+"""Attention over the KV pool by gathering: each sequence's blocks copied out, then masked SDPA.
 
 One engine step runs a *flat* batch: the new tokens of every scheduled sequence, concatenated
 (no padding).  Linear layers see that flat batch at once; attention is the only place where
@@ -10,7 +10,9 @@ sequences must stay apart, and it happens in two shapes:
   its own blocks, gathered from the pool through a padded block-table tensor.
 
 Production engines fuse the gather into the attention kernel (vLLM's PagedAttention,
-FlashInfer); here the gather is explicit so the reader can see each slot being read.
+FlashInfer) and read K/V where they lie; here the gather is explicit -- a copy, hence the name
+:func:`gather_attention` -- so the reader can see each slot being read.  (``minikv.backends``
+has kernels that read in place.)
 """
 from __future__ import annotations
 
@@ -64,9 +66,10 @@ def causal_mask(num_new: int, context_len: int, device) -> torch.Tensor:
     return torch.arange(context_len, device=device)[None, :] <= q_pos[:, None]
 
 
-def paged_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def gather_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     pool: KVPool, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, q_heads, D]; k, v: [T, kv_heads, D] for the new tokens.  Returns [T, q_heads, D]."""
+    """q: [T, q_heads, D]; k, v: [T, kv_heads, D] for the new tokens.  Returns [T, q_heads, D].
+    Writes the new K/V into the pool, then gathers every context block it reads into a copy."""
     pool.write(layer, meta.slots, k, v)
     out = torch.empty_like(q)
     for p in meta.prefills:

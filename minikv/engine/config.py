@@ -20,14 +20,18 @@ from typing import Any
 from ..security.keys import check_secret
 from ..security.hashing import HASHERS, UNSAFE_HASHES
 from ..security.scrub import SCRUBBERS, UNSAFE_SCRUBBERS
-from .attention_backends import ATTENTION_BACKENDS
 from .checks import as_int, as_real, as_seed, check_bool, show
 # The device checks live in device.py; DEVICE_TYPES and resolve_device stay importable from here.
 from .device import DEVICE_TYPES, check_device, is_torch_dtype, resolve_device  # noqa: F401
 from .lifecycle import VerifyHits
-from .sharing import STRATEGIES as SHARING_STRATEGIES
 
 CACHE_ISOLATION = ("shared", "tenant", "request", "selective")
+#: the attention backends' names; ``minikv.backends`` describes and builds them (the engine runs
+#: whichever it is handed, see ``model_runner.Backend``)
+ATTENTION_BACKENDS = ("reference", "fused", "cpu_kernels", "triton", "auto")
+RENAMED_BACKENDS = {"paged": "cpu_kernels"}  # an old name is refused with a message naming the new one
+#: the selective-sharing strategies' names (``minikv.sharing.STRATEGIES`` builds them)
+SHARING_STRATEGIES = ("k_tenants", "monitor")
 SCRUB_POLICIES = tuple(SCRUBBERS)  # the registries' names, in registration order
 HASH_ALGOS = tuple(HASHERS)
 UNSAFE_HASH_ALGOS = tuple(a for a in HASH_ALGOS if a in UNSAFE_HASHES)
@@ -71,18 +75,19 @@ class EngineConfig:
         enable_prefix_caching: reuse the KV of identical full prefix blocks.
         seed: seeds the engine RNG used by requests that set no seed of their own.
         attention_backend: ``"reference"`` (the explicit gather the lessons read), ``"fused"``
-            (per-step metadata, batched attention), ``"paged"`` (fused, decodes read in place
-            by the prebuilt C++ CPU kernel), ``"triton"`` (CUDA: fused, prefix hits and their
-            steps' decodes read in place by a Triton kernel) or ``"auto"`` (paged where built, else fused; never
-            compiles); see ``attention_backends.py``.  All compute the same logits.
+            (per-step metadata, batched attention), ``"cpu_kernels"`` (fused, attention read in
+            place by the prebuilt C++ CPU kernels; formerly ``"paged"``), ``"triton"`` (CUDA:
+            fused, prefix hits and their steps' decodes read in place by a Triton kernel) or
+            ``"auto"`` (cpu_kernels where built, else fused; never compiles); see
+            ``minikv/backends/registry.py``.  All compute the same logits.
         enforce_eager: never run CUDA graphs (vLLM's name and meaning); by default a decode-only
-            step of the fused backend on CUDA replays one (``cuda_graphs.py``), and so does a step
-            that prefills one sequence alone, hit or miss (``prefill_graphs.py``).
+            step of the fused backend on CUDA replays one, and so does a step that prefills one
+            sequence alone, hit or miss (``minikv/backends/cuda_graphs.py``, ``prefill_graphs.py``).
 
     Isolation (see ``minikv.security``)
         cache_isolation: ``"tenant"`` (hits only within a tenant), ``"request"`` (no reuse
             across requests), ``"selective"`` (tenant-keyed, except what ``selective_strategy``
-            shares: ``minikv.engine.sharing``) or UNSAFE ``"shared"`` (any request hits any
+            shares: ``minikv.sharing``) or UNSAFE ``"shared"`` (any request hits any
             cached block).
         selective_strategy: under ``"selective"``, ``"k_tenants"`` (default: content becomes
             public once ``selective_k`` distinct tenants computed it) or ``"monitor"`` (shared
@@ -105,7 +110,7 @@ class EngineConfig:
             every tenant may share; what follows them stays tenant-keyed.
         sensitive_prefixes: operator-marked sensitive content (str or token lists): under
             ``"selective"``, the block where one of them occurs in a prompt and every block after
-            it stay private (never opened or promoted; ``engine/sharing.py``).  Refused under
+            it stay private (never opened or promoted; ``minikv/sharing/``).  Refused under
             ``"shared"``; ``"tenant"`` and ``"request"`` keep everything private already.
         max_cached_blocks_per_tenant: most cached blocks one tenant may keep, the defense against
             prime-and-probe (an attacker fills the pool with its own cached blocks and counts how
@@ -176,7 +181,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check_choice("cache_isolation", self.cache_isolation, CACHE_ISOLATION)
         _check_choice("scrub", self.scrub, SCRUB_POLICIES)
-        _check_choice("selective_strategy", self.selective_strategy, tuple(SHARING_STRATEGIES))
+        _check_choice("selective_strategy", self.selective_strategy, SHARING_STRATEGIES)
         self.selective_k = as_int("selective_k", self.selective_k)
         if self.selective_k < 2:
             raise ValueError(f"selective_k must be >= 2, got {show(self.selective_k)} (k=1 would share "
@@ -187,6 +192,9 @@ class EngineConfig:
         if self.selective_strategy == "monitor" and self.cache_isolation == "selective" and self.reuse_monitor is None:
             raise ValueError("selective_strategy='monitor' needs reuse_monitor= (a factory; "
                              "minikv.audit.monitor.DetectorMonitor wraps the audit detector)")
+        if self.attention_backend in RENAMED_BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r} is now called "
+                             f"{RENAMED_BACKENDS[self.attention_backend]!r}")
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _check_choice("audit_level", self.audit_level, AUDIT_LEVELS)
         _check_choice("hash_algo", self.hash_algo, HASH_ALGOS)

@@ -22,37 +22,41 @@ from ..security.hashing import make_hasher
 from ..security.keys import derive_operator_key, derive_tenant_key, new_engine_secret
 from ..security.scrub import make_scrubber, scrub_hook, zeroes
 from . import intake, step_guard
-from .attention_backends import FUSED, resolve_backend
 from .block_manager import ALL_TENANTS, BlockManager, NoConnector
 from .config import EngineConfig
-from .cuda_graphs import DecodeGraphRunner
-from .prefill_graphs import PrefillGraphRunner
 from .detokenizer import detokenize, flush
 from .device import resolve_device
-from .host_memory import keep_freed_memory
 from .kv_pool import KVPool, bytes_per_token
 from .lifecycle import LIFECYCLE, Transition
 from .loader import eos_token_ids, resolve_dtype
-from .matmuls import prepare as prepare_matmuls
-from .model_runner import score_tokens
+from .model_runner import ReferenceBackend, score_tokens
 from .outputs import RequestOutput
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .seams import EngineSeams
 from .sequence import Sequence, SequenceStatus, common_prefix_len, stop_reason
-from .sharing import make_sharing
 from .snapshot import PoolSnapshot, capture
+
+
+def _reference_only(name: str) -> ReferenceBackend:
+    if name not in ("reference", "auto"):
+        raise ValueError(f"attention_backend={name!r} needs make_backend= (minikv.LLM passes "
+                         "minikv.backends.make_backend); this engine alone runs 'reference'")
+    return ReferenceBackend()
 
 
 class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.py), all off by default
     def __init__(self, config: EngineConfig | None = None, *, weights: tuple | None = None,
-                 open_trail=None, attach: tuple = (), **kwargs):
+                 open_trail=None, make_backend=None, attach: tuple = (), **kwargs):
         """Both dependencies are handed in; the engine resolves no model name and imports no audit code.
 
         ``weights=(model, tokenizer, hf_config)``: loaded weights (``loader.load_model(path, ...)``),
         possibly another engine's (read-only): several engines, one copy of the model.
         ``open_trail(config, operator_key) -> trail | None`` opens the audit trail named by
         ``config.audit_log`` (``minikv.llm.open_trail`` builds a ``minikv.audit.trail.AuditTrail``).
+        ``make_backend(engine) -> Backend`` picks how the forward pass runs (``model_runner.Backend``;
+        ``minikv.backends.make_backend`` for the fast paths); without it the engine runs its own
+        ``ReferenceBackend``, and refuses an ``attention_backend`` other than "reference" or "auto".
         ``attach``: callables ``attach(engine)`` run once the block manager exists; each plugs a
         component in through its hooks (``minikv.tiers.attach_tiers`` sets the block manager's
         ``kv_connector`` and adds a listener).  A fork runs the same ones.
@@ -60,8 +64,6 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
         self.config = c = config if config is not None else EngineConfig(**kwargs)
         self.device = resolve_device(c.device)
         self.dtype = resolve_dtype(c.dtype, self.device)
-        if self.device.type == "cpu":  # big per-layer temporaries: reuse freed pages (host_memory.py)
-            keep_freed_memory()
         if weights is None:
             raise TypeError("LLMEngine needs weights=(model, tokenizer, hf_config): load them with "
                             "minikv.engine.loader.load_model(path, dtype, device), or build the engine "
@@ -78,14 +80,12 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
         self.num_blocks = c.num_blocks or c.default_num_blocks(self.bytes_per_token, self.max_model_len)
         scrubber = c.scrubber if c.scrubber is not None else make_scrubber(c.scrub)
         self.scrubber = scrubber
+        self._make_backend = make_backend
+        self.backend = make_backend(self) if make_backend is not None else _reference_only(c.attention_backend)
+        self.attention_backend = self.backend.name
         self.pool = KVPool(s.num_layers, self.num_blocks, c.block_size, s.num_kv_heads, s.head_dim,
-                           self.dtype, self.device)
-        self.attention_backend = resolve_backend(c.attention_backend, self.device.type, s.head_dim,  # model_runner.FORWARDS
-                                                 str(self.dtype).removeprefix("torch."))
-        if self.attention_backend in FUSED:  # oneDNN-packed weights on the CPU: packed now, not mid-request
-            prepare_matmuls(self.model, kernels=self.attention_backend == "paged")
-        self.graphs = DecodeGraphRunner.for_engine(self)  # None off CUDA, or with enforce_eager
-        self.prefill_graphs = PrefillGraphRunner.for_engine(self)  # likewise (fused and triton)
+                           self.dtype, self.device, memory=self.backend.memory)
+        self.backend.bind(self)  # weights packed, graphs set up: now, not mid-request
         self._secret = c.engine_secret or new_engine_secret()  # never logged or returned
         hasher = c.block_hasher if c.block_hasher is not None else make_hasher(c.hash_algo, self._secret)
         self.block_manager = BlockManager(
@@ -93,25 +93,26 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
             chain_hashes=c.chain_hashes, verify_hits=c.verify_hits,
             max_cached_per_tenant=c.cache_quota(self.num_blocks))
         self.block_manager.listeners.append(self._on_block_event)
+        self.sharing = None  # cache_isolation="selective": set by minikv.sharing.attach_sharing
+        self.admit_hooks: list = []  # hook(seq): a new request, its domains set (selective sharing)
+        self.finish_hooks: list = []  # hook(seq): a finished request
         self._attach = tuple(attach)
         for plug_in in self._attach:  # KV tiers below the pool (kv_tiers=...): minikv.tiers
             plug_in(self)
         if c.kv_tiers and isinstance(self.block_manager.kv_connector, NoConnector):
             raise ValueError(f"kv_tiers={c.kv_tiers!r} needs the tiers attached: build the engine with "
                              "minikv.LLM, or pass attach=(minikv.tiers.attach_tiers,)")
-        # cache_isolation="selective": the strategy deciding which blocks leave their tenant's domain
-        self.sharing = make_sharing(c, self.block_manager, self._secret, self.tenant_key, self._decision)
-        if self.sharing is not None:
-            self.block_manager.listeners.append(self.sharing.on_block_event)
+        if c.cache_isolation == "selective" and c.enable_prefix_caching and self.sharing is None:
+            raise ValueError("cache_isolation='selective' needs its strategy attached: build the engine with "
+                             "minikv.LLM, or pass attach=(minikv.sharing.attach_sharing,)")
         # Fingerprints in the trail are keyed with the operator key; a fork inherits it (``fork``).
         self._operator_key = derive_operator_key(self._secret)
         self.audit = open_trail(c, self._operator_key) if open_trail is not None else None
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens)
         self._tenant_keys: dict[str | None, bytes] = {}
         self._shared_prefixes = [self.encode_prompt(p)[0] for p in c.shared_prefixes]
-        sensitive = [self.encode_prompt(p)[0] for p in c.sensitive_prefixes]  # checked under every policy
-        if self.sharing is not None:
-            self.sharing.sensitive = sensitive
+        for p in c.sensitive_prefixes:  # checked under every policy
+            self.encode_prompt(p)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._rng = torch.Generator().manual_seed(c.seed)
@@ -139,6 +140,7 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
                 raise ValueError(f"{fixed!r} cannot be overridden: a fork shares the parent's weights")
         cfg = dataclasses.replace(self.config, device=str(self.device), dtype=self.dtype, **overrides)
         child = LLMEngine(cfg, weights=(self.model, self.tokenizer, self.hf_config), open_trail=self._open_trail,
+                          make_backend=self._make_backend,
                           attach=self._attach)
         if "engine_secret" not in overrides:  # one audit identity per engine family (same fingerprints)
             child._operator_key = self._operator_key
@@ -163,7 +165,7 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
                     tenant: str | None = None, cache_private: bool = False) -> None:
         """Queue a request.  Invalid input raises here, before anything is allocated, so a bad
         request never disturbs the ones already running.  ``cache_private=True``: the tenant's
-        mark -- this request's blocks stay in its tenant's domain under every policy (sharing.py)."""
+        mark -- this request's blocks stay in its tenant's domain under every policy (``minikv.sharing``)."""
         ids, text, params = intake.check_request(self, request_id, prompt, params, tenant, cache_private)
         seq = self._new_sequence(request_id, ids, text, params, tenant, cache_private)
         self.requests[request_id] = seq
@@ -178,8 +180,8 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
                        tenant_key=self.tenant_key(tenant) if iso in ("tenant", "selective") or private else None,
                        cacheable=iso != "request")
         seq.public_len = max((common_prefix_len(ids, p) for p in self._shared_prefixes), default=0)
-        if self.sharing is not None:
-            self.sharing.admit(seq)
+        for hook in self.admit_hooks:
+            hook(seq)
         seed = params.seed if params.seed is not None else int(torch.randint(2**62, (1,), generator=self._rng))
         seq.generator = torch.Generator(device=self.device).manual_seed(seed)
         return seq
@@ -209,8 +211,8 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
         self.requests.pop(seq.request_id, None)
         if self.audit:
             self.audit.finish(seq)
-        if self.sharing is not None:
-            self.sharing.finish(seq)
+        for hook in self.finish_hooks:
+            hook(seq)
 
     # ------------------------------------------------------------------ the block lifecycle
     def _on_block_event(self, transition: Transition, ids: list[int], seq: Sequence | None) -> None:
@@ -225,11 +227,6 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
                 self.audit.scrub(edge.hook, ids, seq)
         if self.audit:
             self.audit.block_event(edge.record, ids, seq, self.block_manager.blocks)
-
-    def _decision(self, kind: str, **fields) -> None:
-        """A selective-sharing decision (promote, flag, isolate) for the operator's trail."""
-        if self.audit:
-            self.audit.sharing(kind, **fields)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:

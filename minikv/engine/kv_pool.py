@@ -28,18 +28,48 @@ request's K/V, hidden only by the mask.  The pad block is never handed out by th
 it is always zero.
 
 One more block after it is the **scratch block** (id ``num_blocks + 1``): where the padding rows
-of a CUDA-graph decode step (``cuda_graphs.py``: a batch of 3 run as a batch of 4) write their
-K/V, so that they write neither the pad block nor anyone's real block.  Nobody reads it.
+of a fixed-shape batch (a CUDA-graph step of ``minikv.backends``: a batch of 3 run as a batch of 4)
+write their K/V, so that they write neither the pad block nor anyone's real block.  Nobody reads it.
+
+Where the zeros come from is the backend's :class:`PoolMemory` (``torch.zeros`` unless a backend
+brings its own, such as pages mapped outside the heap on the CPU).
 
 ``k_cache`` and ``v_cache`` are views of the first ``num_blocks`` blocks: what lessons,
 scrubbers and snapshots see is exactly the pool the block manager manages.
 """
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from ..security.scrub import zero_blocks
-from .host_memory import mapped_zeros, populate
+
+
+class PoolMemory(Protocol):
+    """Where a pool's memory comes from: ``zeros(shape, dtype, device)``, and ``populate(tensor)``
+    making all of it resident now (returns how, as a word)."""
+
+    def zeros(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor: ...
+
+    def populate(self, t: torch.Tensor) -> str: ...
+
+
+class DeviceMemory:
+    """``torch.zeros``.  Fresh pages of it are faulted in by their first writer."""
+
+    def zeros(self, shape, dtype, device) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    def populate(self, t: torch.Tensor) -> str:
+        if t.device.type != "cpu":
+            return "resident"  # on a GPU, torch.zeros already wrote every page
+        flat = t.reshape(-1).view(torch.uint8)  # a view: the pool is contiguous
+        flat[::4096].add_(0)  # one write per page, each byte written back unchanged
+        return "touch"
+
+
+DEVICE_MEMORY = DeviceMemory()
 
 
 def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -55,18 +85,17 @@ def slot_of(block_table: list[int], position: int, block_size: int) -> int:
 
 class KVPool:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str,
+                 memory: PoolMemory = DEVICE_MEMORY):
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
         # Zeros, never torch.empty: uninitialised memory would hold whatever the allocator had
         # before (another process's data on a GPU) and make every unmasked read irreproducible.
         # What scrubbing is about is different: data that *requests* wrote and then freed.
-        # On the CPU the zeros are pages of the pool's own, outside the heap (host_memory.py):
-        # already zero, and given back the moment the pool dies.
+        self.memory = memory
         shape = (num_layers, num_blocks + 2, block_size, 2, num_kv_heads, head_dim)  # + pad and scratch blocks
-        self._kv = (mapped_zeros(shape, dtype) if self.device.type == "cpu"
-                    else torch.zeros(shape, dtype=dtype, device=self.device))
+        self._kv = memory.zeros(shape, dtype, self.device)
         self._k, self._v = self._kv[:, :, :, 0], self._kv[:, :, :, 1]  # [layers, blocks + 2, bs, kv_heads, D]
         self.k_cache, self.v_cache = self._k[:, :num_blocks], self._v[:, :num_blocks]
         # Per-layer views with one row per slot, pad and scratch blocks included: what writes index
@@ -76,7 +105,7 @@ class KVPool:
         self.v_slots = [self._v[i].view(slots, num_kv_heads, head_dim) for i in range(num_layers)]
         self.kv_slots = [self._kv[i].view(slots, 2 * num_kv_heads, head_dim) for i in range(num_layers)]
         # ... and with one row per *block*: what gathers read.  Copying whole blocks with
-        # ``index_select`` moves the same bytes as indexing every slot, 2-3x faster on the CPU (one
+        # ``index_select`` moves the same bytes as indexing every slot, in far fewer copies (one
         # memcpy per block, not per slot).  ``kv_blocks[layer]`` is [blocks + 2, bs, 2, kv_heads, D].
         self.k_blocks, self.v_blocks = list(self._k.unbind(0)), list(self._v.unbind(0))
         self.kv_blocks = list(self._kv.unbind(0))
@@ -92,10 +121,9 @@ class KVPool:
         return self.num_blocks + 1
 
     def prefault(self) -> str:
-        """Make the whole pool resident now (CPU: :func:`host_memory.populate`; its contents do not
-        change), so that no later write pays a page fault.  A benchmark calls it to time the
-        steady state; on CUDA the memory is resident from ``torch.zeros`` on, and this does nothing."""
-        return populate(self._kv) if self.device.type == "cpu" else "resident"
+        """Make the whole pool resident now (its contents do not change), so that no later write
+        pays a page fault.  A benchmark calls it to time the steady state."""
+        return self.memory.populate(self._kv)
 
     @property
     def nbytes(self) -> int:

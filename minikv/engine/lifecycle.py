@@ -94,7 +94,7 @@ LIFECYCLE: dict[Transition, Edge] = {
     Transition.CACHE: Edge((U,), C, "on_cache", "free", None),
     Transition.FREE: Edge((U,), F, "on_free", "free", "whoever allocates the block next"),
     Transition.EVICT: Edge((C,), F, "on_free", "evict", "whoever allocates the block next"),
-    # Selective sharing (minikv.engine.sharing) changes a registered block's key, never its K/V:
+    # Selective sharing (minikv.sharing) changes a registered block's key, never its K/V:
     Transition.PROMOTE: Edge((U, C), None, "on_promote", "promote", "every later request of every tenant"),
     Transition.ISOLATE: Edge((U, C), None, "on_isolate", "isolate", "its writer's later requests only"),
     # KV tiers (minikv.tiers): the K/V leave the pool sealed, and come back verified.

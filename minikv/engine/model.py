@@ -19,7 +19,7 @@ from dataclasses import astuple, dataclass
 import torch
 import torch.nn.functional as F
 
-from .attention import AttentionMetadata, paged_attention
+from .attention import AttentionMetadata, gather_attention
 from .kv_pool import KVPool
 
 
@@ -115,7 +115,7 @@ class LlamaModel:
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             q = apply_rotary(q.view(-1, s.num_heads, s.head_dim), cos, sin)
             k = apply_rotary(k.view(-1, s.num_kv_heads, s.head_dim), cos, sin)
-            attn = paged_attention(i, q, k, v.view(-1, s.num_kv_heads, s.head_dim), pool, meta, self.scale)
+            attn = gather_attention(i, q, k, v.view(-1, s.num_kv_heads, s.head_dim), pool, meta, self.scale)
             x = x + F.linear(attn.reshape(-1, q_size), L.o_proj, L.o_bias)
             h = rms_norm(x, L.post_norm, s.rms_eps)
             gate, up = F.linear(h, L.gate_up, L.gate_up_bias).chunk(2, dim=-1)

@@ -120,7 +120,7 @@ class PrefixIndex:
               transition: Transition, seq: Sequence | None) -> bool:
         """Move registered block ``bid`` into another isolation domain under ``new_hash``: same
         K/V, holders, writer and state (selective sharing's ``promote`` and ``isolate``,
-        :mod:`~minikv.engine.sharing`).  False, changing nothing, when ``new_hash`` is taken."""
+        :mod:`~minikv.sharing`).  False, changing nothing, when ``new_hash`` is taken."""
         block = self.blocks[bid]
         if block.hash is None or new_hash in self.hash_table:
             return False

@@ -33,7 +33,7 @@ class Sequence:
     # many leading tokens belong to an operator-declared public prefix (hashed without it).
     tenant_key: bytes | None = None
     public_len: int = 0
-    # Selective sharing (engine/sharing.py): tokens hashed without the tenant key although not
+    # Selective sharing (minikv/sharing/): tokens hashed without the tenant key although not
     # public (the ``monitor`` strategy's shared region), and the operator's content fingerprints.
     open_len: int = 0
     content_fps: list[str] = field(default_factory=list, repr=False)

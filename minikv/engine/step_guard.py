@@ -1,9 +1,9 @@
 """Failure containment: an exception inside ``step()`` fails only the sequence that caused it.
 
-One ``step()`` serves many tenants at once.  Before this module, a single request whose row
-could not be sampled (a NaN temperature slipped past validation, say) raised out of ``step()``:
-every request in the batch failed with it, and because the culprit stayed in the running batch,
-every later ``step()`` raised again -- one request took the whole engine down.
+One ``step()`` serves many tenants at once.  Without containment, a single request whose row
+could not be sampled (a NaN temperature slipped past validation, say) raises out of ``step()``:
+every request in the batch fails with it, and because the culprit stays in the running batch,
+every later ``step()`` raises again -- one request takes the whole engine down.
 
 The rule now: **a failure belongs to the sequence it happened in.**
 

@@ -1,7 +1,7 @@
 """Content fingerprints: recognise the same prompt blocks across tenant domains, for the operator only.
 
 Per-tenant keys make the *block hash* of one text differ between tenants -- that is the point of
-isolation.  Selective sharing (``cache_isolation="selective"``, :mod:`minikv.engine.sharing`)
+isolation.  Selective sharing (``cache_isolation="selective"``, :mod:`minikv.sharing`)
 still needs to know "have k different tenants computed this same content?".  Weakening the block
 hash for that would reopen the oracle; instead the engine keeps a second, separate fingerprint:
 
@@ -14,7 +14,7 @@ derived from the engine secret (``derive_content_key``), like the audit trail's 
 without the key nobody can compute the fingerprint of a guess.  It never leaves the engine -- it
 is not part of any output, metric or block hash -- so a tenant cannot observe it.  What a tenant
 *can* observe is the policy's decision (a hit after a promotion): that is the Sybil limit
-documented in :mod:`minikv.engine.sharing`.
+documented in :mod:`minikv.sharing`.
 """
 from __future__ import annotations
 

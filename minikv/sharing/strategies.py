@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from typing import Callable, Protocol
 
 from ..security.content import content_fingerprints, content_tail, derive_content_key
-from .lifecycle import BlockIdentity, Transition
+from ..engine.lifecycle import BlockIdentity, Transition
 
 
 @dataclass(frozen=True)

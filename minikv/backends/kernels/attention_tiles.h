@@ -24,8 +24,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // A loaded vector, kept in a register.  Without this GCC folds the load into every FMA that uses
 // it (one memory operand per row of the micro-tile), and the loop runs at the CPU's load rate,
-// not its FMA rate: on the 2-core AMD EPYC, with 16 zmm loads per 16 FMAs this kernel ran one
-// 512-token sequence in fp32 at 73 GFLOP/s on both cores; with the loads pinned, at 107.
+// not its FMA rate (16 loads per 16 FMAs); with the loads pinned it runs at the FMA rate.
 inline Vec pinned(const float* p) {
   Vec x = Vec::loadu(p);
 #if defined(CPU_CAPABILITY_AVX512)

@@ -44,7 +44,7 @@ inline void to_fp32(const at::BFloat16* src, float* dst, int64_t n) {
 
 // The head dims the attention kernels are instantiated for, written once: both kernels check and
 // dispatch through this list, and paged_decode_head_dims() reports it (Python's
-// attention_backends.KERNEL_HEAD_DIMS is tested against that), so the "paged" backend's decode and
+// registry.KERNEL_HEAD_DIMS is tested against that), so the "cpu_kernels" backend's decode and
 // prefill kernels take exactly the same models.
 template <int64_t... Ds>
 struct HeadDimList {

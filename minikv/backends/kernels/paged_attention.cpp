@@ -4,7 +4,7 @@
 // Why a kernel: the fused backend in pure PyTorch must first copy every sequence's blocks into
 // a padded [S, kv_heads, c_max, D] tensor (one index_select per layer) and then hand that copy to
 // SDPA, which reads it again.  A decode step of a small model is memory-bound, so that copy and
-// the second read were about 40% of a bf16 decode step on the 2-core CPU (profiled for issue 11).
+// the second read were a large share of a decode step (docs/BENCHMARKS.md, "CPU kernels").
 // Here each (sequence, KV head) task walks its own block table and streams every key and value
 // exactly once, with no padding: a short sequence batched with a long one costs only its length.
 //

@@ -5,9 +5,9 @@
 // Why a kernel: the pure-PyTorch path serves a prefix hit by copying the sequence's blocks out of
 // the pool into a contiguous [kv_heads, context, D] tensor, one index_select per layer, then
 // building an additive causal mask and reshaping the queries so that grouped-query heads fold
-// into rows: about a dozen ops per layer around one SDPA call, which on the 2-core CPU made a hit
-// dispatch more ops than a miss (710 against 525 for SmolLM2).  A hit's work is small (16-48 new
-// tokens), so those ops, not arithmetic, were its cost; on a GPU each is a kernel launch.  vLLM's
+// into rows: about a dozen ops per layer around one SDPA call, enough to make a hit dispatch more
+// ops than a miss.  A hit's work is small (a few dozen new tokens), so those ops, not arithmetic,
+// were its cost; on a GPU each is a kernel launch.  vLLM's
 // PagedAttention and FlashInfer's paged prefill read the blocks where they lie; so does this.
 //
 // The arithmetic is the tiled causal attention of attention_tiles.h, the same code the fresh

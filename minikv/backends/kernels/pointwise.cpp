@@ -4,11 +4,10 @@
 // Why: both are a few arithmetic operations per element, so their cost is how often the data
 // crosses memory and how many ops are dispatched.  PyTorch runs `F.rms_norm` as five ops (pow,
 // mean, add, rsqrt, mul, each writing a temporary) and SwiGLU as two (silu, then mul) on a
-// strided half of the gate_up matmul's output.  On a 28-row prefix hit an rms_norm call took
-// ~110 us (profiled on the 2-core CPU, issue 11), where the arithmetic takes a few microseconds.
-// Here each row is read once and written once, by one op.  What that bought, measured side by
-// side: fp32 prefix-hit TTFT 114 vs 124 ms (median of 8); on a large fp32 prefill nothing
-// measurable (an fp32 row is read in place; only bf16 rows are widened into scratch).
+// strided half of the gate_up matmul's output: on a small step an rms_norm call costs many times
+// its arithmetic.  Here each row is read once and written once, by one op (an fp32 row is read in
+// place; only bf16 rows are widened into scratch).  docs/BENCHMARKS.md ("CPU kernels") has what
+// that bought.
 //
 // Arithmetic, and why it is the same as PyTorch's:
 //   rms_norm(x, w, eps) = w * to_dtype(x * rsqrt(mean(x^2) + eps)), the mean and the product
@@ -27,7 +26,7 @@
 //     order of transformers' `q * cos + rotate_half(q) * sin`.  ATen needs four ops for it (the
 //     roll is a copy, then mul, mul, add), each a pass over the step's q and k; this is one.  No
 //     fused multiply-add: GCC contracts `a * b + c` into one FMA even under -std=c++20, so the
-//     library is built with -ffp-contract=off (paged_cpu.CXX_FLAGS); the products then round as
+//     library is built with -ffp-contract=off (cpu_kernels.CXX_FLAGS); the products then round as
 //     ATen's do and fp32 results are bit for bit ATen's (tests/test_pointwise_kernels.py), which
 //     lets exact (fresh-prefill) steps use it too.  In bf16 each ATen op rounds its fp32 result to
 //     bf16; the kernel rounds at the same three places, so bf16 results are ATen's bits as well.

@@ -1,10 +1,10 @@
 // minikv's causal prefill attention for the CPU: every fresh prefill of a step in one call.
 //
 // Why a kernel: a fresh prefill attends over its own new keys, causally.  SDPA's CPU flash kernel
-// does that one sequence at a time (one call per sequence per layer) at 40-63 GFLOP/s of useful
-// work on the 2-core CPU, fp32, from run to run, where the layers' matmuls reach 140-170: attention
-// was 4.5% of the benchmark prefill's FLOPs and 16% of its time (torch.profiler, SmolLM2, 16 prompts of
-// 32-512 tokens).  Two things it leaves on the table, both taken here:
+// does that one sequence at a time (one call per sequence per layer), at well under the useful
+// FLOP rate the layers' matmuls reach, so attention's share of a prefill's time is several times
+// its share of the FLOPs (docs/BENCHMARKS.md, "CPU kernels").  Two things it leaves on the table,
+// both taken here:
 //
 // * Grouped-query attention shares keys: the `rep` query heads of one KV head (3 in SmolLM2)
 //   become `rep` rows of one tile, so a block of keys, packed once, serves all of them.

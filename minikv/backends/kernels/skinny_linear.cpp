@@ -2,16 +2,9 @@
 //
 // Why: a decode step multiplies 16 rows by every weight matrix of the model; a prefix hit, the
 // 28 uncached rows of a prompt.  Matmul libraries are tuned for large products, and at these
-// sizes leave most of the CPU idle.  Measured on the 2-core CPU (SmolLM2's 120 layer matmuls in
-// fp32, one pass over all of them; the three ways interleaved, medians of 7, two runs):
-//   rows   this kernel    oneDNN prepacked   F.linear
-//     16   34.4 / 33.2    44.5 / 46.9        59.0 / 59.6 ms
-//     28   47.2 / 40.8    61.5 / 53.1        72.8 / 61.8 ms
-//     48   67.9 / 64.7    89.2 / 79.3        88.1 / 83.1 ms
-//     64   85.9 / 78.7    98.6 / 91.6        93.3 / 90.4 ms
-// One row through every weight (the floor: SmolLM2 is 424 MB of fp32 layer weights, read from
-// memory once) takes 21-22 ms here.  The engine uses this kernel up to 48 rows (matmuls.py), a
-// bound set where an earlier, noisier measurement had the libraries level at 64 rows.
+// sizes leave most of the CPU idle.  The floor of any such product is reading every weight from
+// memory once; this kernel aims at it.  The engine uses it up to a row bound (matmuls.py) set
+// where the libraries catch up (docs/BENCHMARKS.md, "CPU kernels", has the comparison).
 //
 // How, in three ideas (the classic "register-blocked GEMM microkernel", which BLIS popularised):
 //
@@ -28,8 +21,8 @@
 //    broadcasts read one stream instead of 14 rows (14 row pointers do not fit the 16 general
 //    registers: the compiler spilled them, and the kernel ran at a third of this speed).
 // 3. The weights stream from memory, so they are prefetched: PF k-steps (8 KB) ahead.  Without
-//    it the loads stalled on memory and the arithmetic waited on them (28 rows: 57 ms against
-//    33 ms with it).  The hardware prefetcher alone does not run that far ahead.
+//    it the loads stall on memory and the arithmetic waits on them: the hardware prefetcher
+//    alone does not run that far ahead.
 //
 // Panels are split across threads; a thread computes every row block of its panels, so a panel
 // is read from memory once and re-read from cache for the second row block.
@@ -47,9 +40,6 @@
 // broadcast as one 32-bit value.  Half the k-steps over half the bytes of fp32: a decode step
 // streams 212 MB of SmolLM2 weights instead of 424.  Sums stay fp32; each output is rounded to
 // bf16 once, after the residual add when there is one (as oneDNN's "add" epilogue does).
-// Measured on an AMD EPYC without AMX (the same one pass, interleaved with oneDNN's packed bf16
-// kernel, medians of 7): 1 row 9.1 / 18.4 ms, 16 rows 14.0 / 21.0, 28 rows 22.7 / 28.8,
-// 48 rows 33.0 / 44.9, 96 rows 69.4 / 75.0.
 #include "cpu_vec.h"
 
 #include <type_traits>

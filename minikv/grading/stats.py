@@ -14,7 +14,7 @@ import math
 import numpy as np
 
 from ..audit import stats as ref
-from ._report import CheckFailed, expect, grader
+from ._report import CheckFailed, call_safely, expect, grader
 
 
 @functools.lru_cache(maxsize=1)
@@ -86,6 +86,26 @@ def _two_sided(hit, miss) -> tuple[float, set[float]]:
     return float(res[0].statistic), {float(r.pvalue) for r in res}
 
 
+#: (hit, miss, the sample at fault, what is wrong): input the contract refuses with ValueError
+BAD_SAMPLES = [([], [0.02, 0.03], "hit", "an empty hit sample"), ([0.01, 0.02], [], "miss", "an empty miss sample"),
+               ([0.01, float("nan")], [0.02, 0.03], "hit", "a NaN latency among the hits"),
+               ([0.01, 0.02], [0.02, float("inf")], "miss", "an infinite latency among the misses")]
+
+
+def check_ks_input(ks_test) -> None:
+    """The contract's refusals: ValueError for an empty sample or a non-finite latency, naming which
+    sample.  A NaN sorts anywhere and an empty sample has no CDF: a number computed from them is noise."""
+    for hit, miss, which, what in BAD_SAMPLES:
+        _, exc = call_safely(ks_test, hit, miss)
+        expect(isinstance(exc, ValueError), f"ks_test accepted {what} "
+               f"({'returned a result' if exc is None else 'raised ' + type(exc).__name__}); the contract says "
+               "ValueError (bug class: input not validated -- a statistic of an empty or non-finite sample is noise)",
+               "check both samples before computing anything: non-empty, every latency finite.")
+        expect(which in str(exc).lower(), f"ks_test raised ValueError for {what}, but its message {str(exc)!r} does "
+               f"not say which sample (bug class: an error that does not name the bad input)",
+               "name the sample ('hit' or 'miss') in the message: the caller must know which list to fix.")
+
+
 @grader("the statistic is how far the hits' empirical CDF rises ABOVE the misses' (hits faster); the p-value must "
         "belong to that same one-sided alternative.")
 def check_ks_test(ks_test) -> str:
@@ -129,6 +149,7 @@ def check_ks_test(ks_test) -> str:
                                   "class: wrong alternative)", "'greater' means the CDF of x lies ABOVE the CDF of y.")
             raise CheckFailed(f"on '{name}' (n={len(hit)}/{len(miss)}) your p-value {p:.6g} is none of the one-sided "
                               "KS p-values (exact or asymptotic)", "take the p-value of the same one-sided test.")
+    check_ks_input(ks_test)
     return ("one-sided statistic equal to minikv.audit.stats.ks_test on every dataset; p-values accepted as "
             f"{' / '.join(sorted(methods_seen))}")
 

@@ -55,7 +55,7 @@ def run_capstone(audit_fleet, seed: int | None = None, timeout: float = 300.0):
     with HiddenServer("minikv.grading.mystery_fleet", *args) as fleet:
         findings, took = run_graded(audit_fleet, [fleet.info], timeout,
                                     error_hint="run it in lesson 12 against the demo fleet first",
-                                    timeout_hint="one isolation audit per node with rounds=1 is enough")
+                                    timeout_hint="how many requests does each of your tests send per node, and which could send fewer?")
         key = fleet.reveal()
     return findings, fleet.info, key, took
 

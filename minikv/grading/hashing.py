@@ -297,7 +297,8 @@ def check_chained_hash(chained_block_hash, encode_fields=None) -> str:
             for plain in (encode_fields(parent, tokens, extra, key), encode_fields(parent, tuple(tokens), extra, key)):
                 expect(chained_block_hash(parent, tokens, extra, key) != hashlib.sha256(plain).digest(),
                        "the key is the plain sha256 of the encoded fields: it is not domain-separated",
-                       "a domain label belongs in the hashed message, before the fields (bug class: no domain separation).")
+                       "could your key equal a SHA-256 that minikv computes over the same fields for another "
+                       "purpose?  What in the message rules that out?  (bug class: no domain separation)")
         check_label_first(chained_block_hash, encode_fields)
     check_refuses_bad_fields(chained_block_hash)
     cached, log = engine_stage_hasher(chained_block_hash, "sha256")

@@ -22,7 +22,8 @@ FORBIDDEN_PHRASES: dict[str, list[str]] = {
     "3c": ["keys only", "V forgotten", "min(ids)", "max(ids)", "a slice", "range(", "k_cache[:, ids] = 0",
            "consecutive"],
     "3b": ["decide by the transition", "never by why", "must be kept", "on the way into the free list",
-           "(free, evict)", "Transition.FREE", "zero either"],
+           "(free, evict)", "Transition.FREE", "zero either", "('free', 'evict')", "('allocate')",
+           "out of the free list", "through 'free'", "the same 'evict' row", "as a hit does: keep it"],
     "3d": ["zero on allocation", "b in self.used", "self.used.update", "a fresh pool is zeros",
            "never zero on free", "ever had an owner", "last moment"],
     "L1": ["for each filling", "one more character", "never send one probe twice", ">= the block's end",
@@ -63,15 +64,16 @@ HINTS: dict[str, list[str]] = {
            "in it get the same key.",
            "Lesson 07's section 3 has two ingredients besides your 1a encoding.  Could your key ever equal a "
            "SHA-256 that minikv computes elsewhere over the same fields (a tenant key, an audit fingerprint)?  "
-           "What does the module give you that rules this out?  And look at lesson 06's `trunc32` row: what "
-           "made that key weak, and does yours share the weakness?  Which inputs does the docstring say to refuse?",
+           "What does the module give you that rules this out?  And look at the `trunc32` row of lesson 06's "
+           "section 3: what made that key weak, and does yours share the weakness?  Which inputs does the "
+           "docstring say to refuse?",
            "    <refuse a parent that is neither None nor bytes, and tokens that are not ints (a bool is an int!)>\n"
            "    message = encode_fields(..., parent, tuple(tokens), tuple(extra), tenant_key)   # what comes first?\n"
            "    return ...   # which function of the message, and how much of its output?"],
     "2a": ["Who must be able to compute a tenant's key, and who must not?  Suppose a client knows every "
            "tenant's name: which input of your function does it lack?",
-           "Lesson 07's cell on tenant keys builds a keyed hash and shows why gluing a secret onto a "
-           "message before hashing is not enough.  Which construction does that cell use -- what is its "
+           "Lesson 07's section 4 names a keyed construction, and the glossary's HMAC entry says why gluing a "
+           "secret onto a message before hashing is not enough.  Which construction is it -- what is its "
            "key, what is its message?  And how does your 1a encoding keep None, \"\" and \"None\" apart?",
            "    <refuse a secret that is not bytes (TypeError), or too short (ValueError)>\n"
            "    message = encode_fields(TENANT_LABEL, tenant)\n"
@@ -100,7 +102,8 @@ HINTS: dict[str, list[str]] = {
            "        public = (i + 1) * block_size <= public_len\n"
            "        parent = hasher(parent, <block i's tokens>, (), None if public else tenant_key)\n"
            "        ..."],
-    "3c": ["Print `smoke_test`'s source (lesson 08 does).  Which block, which layer and which tensor does it look "
+    "3c": ["Print `smoke_test`'s source (lesson 08's cell tagged `smoke-test` does).  Which block, which layer "
+           "and which tensor does it look "
            "at after the call, and what does it never look at?  Now list every promise 3a's contract makes: "
            "which of them can a zero_blocks break without the smoke test noticing?",
            "Run 3a's grader on a few broken versions in a cell and read the bug class it names for each.  Which "
@@ -134,17 +137,19 @@ HINTS: dict[str, list[str]] = {
            "    for cache in (pool.k_cache, pool.v_cache):\n"
            "        ...   # ONE in-place write along the block dimension\n"
            "(what must an empty list do?)"],
-    "3b": ["Print the LIFECYCLE table (lesson 08 has a cell for it).  For each row, ask: after this "
+    "3b": ["Read the LIFECYCLE table (lesson 08's cell tagged `lifecycle-table`).  For each row, ask: after this "
            "transition, who reads this block next -- and did they write its bytes?",
-           "Lesson 08's cells on preemption and abort trace the rows their blocks leave through.  Do "
-           "those requests leave through rows of their own, or through rows every request uses?  What "
+           "Lesson 08's cell tagged `placement-finished-only` runs a realistic rule that fails: which request "
+           "does it fail on, and what about that request misled it?  Do preempted and aborted requests give "
+           "their blocks back through rows of their own, or through rows every request uses?  What "
            "does that tell you about which of your two arguments a decision can rely on?  Then, for each "
            "row: would zeroing there destroy something a reader is about to reuse?",
            "    transition = Transition(transition)   # a name that is no transition: ValueError\n"
            "    if transition in (...):               # the rows that hand old bytes to a new reader\n"
            "        return ZERO\n"
            "    return KEEP"],
-    "3d": ["Print the budget check's score for minikv's two safe scrubbers (lesson 08 runs them as planners).  "
+    "3d": ["Print the budget check's score for minikv's two safe scrubbers (lesson 08's cell tagged "
+           "`budget-safe-scrubbers` runs them as planners).  "
            "Each one is over budget: which blocks did each zero that nobody needed zeroed?  What was in them "
            "when it zeroed them?",
            "A block must be zero before someone who did not write it reads it.  At which event of LIFECYCLE is "
@@ -197,7 +202,7 @@ HINTS: dict[str, list[str]] = {
            "    ((h < m).sum() + 0.5 * (h == m).sum()) / ..."],
     "L1": ["What does the cache keep a key for: one character, or a whole block?  So which of your "
            "probes can it answer at all?  Print the card: where inside its block does the prefix end?",
-           "Lesson 04's cell that probes the demo server shows when cached_tokens moves.  Why is the "
+           "Lesson 04's section 7 probes the demo server: when does cached_tokens move?  Why is the "
            "last token of a prompt never served from cache, and what must a probe therefore hold after "
            "the part it tests?  And what does the server answer the second time you send one text?",
            "    start = len(prefix) + len(found); end = (start // bs + 1) * bs\n"
@@ -220,7 +225,7 @@ HINTS: dict[str, list[str]] = {
     "L2": ["Send each candidate twice in a row and compare: why is the second answer always fast?  "
            "Then send one candidate ten times, spaced out, and plot the answers: what does the noise "
            "look like, and what do the rare slow answers look like?",
-           "Lesson 04's cells on the virtual clock show a hit's saving and the noise around it.  How "
+           "Lesson 04's section 7 shows, on the virtual clock, a hit's saving and the noise around it.  How "
            "many samples of a candidate do you need before a few unlucky ones (or one lucky one) stop "
            "deciding its fate?  Which summary of those samples is moved by a spike, and which is not?  "
            "When is it safe to stop sampling a candidate for good?",

@@ -115,8 +115,8 @@ def _verdict(guess, card: dict, key: dict, lab: str) -> None:
     if key["ends_on_block"] * 2 >= key["requests"] and key["max_victim_cached"] <= key["known_cached"]:
         expect(False, why + f"; {key['ends_on_block']} of your {key['requests']} probes end exactly where "
                "the block they test ends, and no probe ever hit a victim block past the known prefix",
-               "the server always computes the last prompt token: a probe must go on past the block "
-               "it tests (append one more character)")
+               "the server always computes the last prompt token: what must a probe hold after the "
+               "block it tests?")
     if key["self_primed"]:
         expect(False, why + f"; {key['self_primed']} of your {key['requests']} answers came from your own "
                "earlier probes (self-priming)",
@@ -124,8 +124,8 @@ def _verdict(guess, card: dict, key: dict, lab: str) -> None:
                f"until {card['quota_blocks']} newer blocks of yours have pushed it out")
     if key["max_victim_cached"] <= key["known_cached"]:
         expect(False, why + "; no probe ever hit a victim block past the known prefix",
-               "the server always computes the last prompt token: a probe must go on past the block "
-               "it tests (append one more character)")
+               "the server always computes the last prompt token: what must a probe hold after the "
+               "block it tests?")
     expect(False, why, "check which characters share a block with the known prefix or suffix"
            if lab == "L1" else "take more samples per candidate before you drop any")
 

@@ -182,6 +182,7 @@ def check_ranked_guesser(guess_secret, *, timeout: float = 120.0, seeds=None) ->
            "not using the prior)", "the card carries a model of the victim's text: what does it say each block "
            "most likely holds?")
     expect(m <= TOLERANCE * r, f"recovered every secret, {figures}: {m / r:.2f}x the reference, over the "
-           f"{TOLERANCE}x band (bug class: wrong ranking key -- the order is not each filling's probability given "
-           "the text before it)", "score a whole block's filling, given everything you have recovered before it")
+           f"{TOLERANCE}x band (bug class: wrong ranking key)",
+           "which probability orders your candidates: of one character alone, or of what the block holds, and "
+           "given which text?")
     return f"recovered {len(cards)} secrets of {cards[0]['secret_len']} characters: {figures}; score {r / m:.2f}x"

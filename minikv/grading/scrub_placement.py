@@ -33,17 +33,20 @@ TEXTS = [f"t{i} note {i * 7919 % 1000:03d}: code {i}{i}{i}." for i in range(8)] 
 
 #: path -> (bug class, why it matters); the order is the order they are run and diagnosed in
 PATHS = {
-    "finish": ("not scrubbed when a request finishes (transition 'free')",
-               "a finished request's uncached blocks go back to the free list through 'free'."),
+    "finish": ("not scrubbed when a request finishes",
+               "a finished request's uncached blocks go back to the free list: through which row, and who reads "
+               "them next?"),
     "preempt": ("scrubs on the free path but not on PREEMPTION",
-                "a preempted request is still running when its blocks are released (seq.status is RUNNING, "
-                "not FINISHED): decide by the transition, never by how the request ended."),
+                "a preempted request is still running when its blocks are released: what does your decision "
+                "read that tells it from a finished one, and should the decision depend on it?"),
     "abort": ("scrubs on the free path but not on ABORT",
-              "an aborted request (finish_reason 'abort') releases its blocks through the same 'free' row."),
-    "lru": ("not scrubbed on LRU EVICTION (transition 'evict')",
+              "an aborted request releases its blocks too: through a row of its own, or through one every "
+              "request uses?"),
+    "lru": ("not scrubbed on LRU EVICTION",
             "an evicted cached block goes to the free list; its bytes reach whoever allocates it next."),
-    "quota": ("not scrubbed on QUOTA eviction (transition 'evict')",
-              "a tenant over its cache quota has its oldest blocks evicted: the same 'evict' row."),
+    "quota": ("not scrubbed on QUOTA eviction",
+              "a tenant over its cache quota loses its oldest cached blocks: which row carries them, and does "
+              "your decision treat it as it treats an LRU eviction?"),
     "reset": ("not scrubbed on reset_prefix_cache (operator eviction, seq None)",
               "reset_prefix_cache evicts with seq=None: your decision must not depend on there being a request."),
 }
@@ -180,8 +183,7 @@ def _check_adoption(scrubber, watch=None) -> None:
            "outputs differ from a cache-off engine's when one prompt arrives twice in one step: your scrubber "
            "zeroed the block the second request ADOPTED at commit, which both requests still read (bug class: "
            "wipes every ADOPTED block)",
-           "an adoption hands over a live block, as a hit does: keep it.  The duplicate it lets go of leaves "
-           "through 'free', and is scrubbed there.")
+           "what does an adoption hand over, and to whom?  Would you zero the block of a hit?")
 
 
 def engine_stage_placement(action) -> tuple[list[int], int]:
@@ -203,11 +205,11 @@ def engine_stage(new_scrubber, watch=None) -> tuple[list[int], int]:
     _, ref_cached = _reference(True)
     expect(cached == ref_cached, f"same-tenant hits lost: cached tokens per request {cached}, minikv's scrubber keeps "
            f"{ref_cached} (bug class: scrubbing destroys the reuse the cache exists for)",
-           "a hit, a store and a block released into the cache hold data that is MEANT to be read again.")
+           "which of your ZERO rows hands a block to a reader who is meant to read its data?")
     ref_trace, _ = _reference(False)
     expect(_same_logits(trace, ref_trace), "outputs differ from a cache-off engine's: your scrubber zeroed K/V that "
            "a running request or a cache hit still needed (bug class: scrub destroys live data)",
-           "zero only blocks on their way into (or out of) the free list -- never live or cached ones.")
+           "which of your ZERO rows zeroes a block that can still be read: by a running request, or by a later hit?")
     _check_adoption(new_scrubber(), watch)
     return cached, llm.engine.stats["steps"]
 
@@ -237,8 +239,8 @@ def _placement_error(t: Transition, who: str, exc: Exception) -> CheckFailed:
                        "the traceback.")
 
 
-@grader("decide by the lifecycle transition: which rows put old bytes within a NEW reader's reach, and which hand "
-        "data to a reader who is meant to have it?")
+@grader("which rows of LIFECYCLE put old bytes within a NEW reader's reach, and which hand data to a reader who is "
+        "meant to have it?")
 def check_scrub_placement(scrub_action) -> str:
     """Exercise 3b: a decision for every transition, right on every path through the real engine."""
     seqs = {"running": _fake_seq(SequenceStatus.RUNNING), "finished": _fake_seq(SequenceStatus.FINISHED, "stop"),
@@ -255,7 +257,7 @@ def check_scrub_placement(scrub_action) -> str:
                         "cache": "zeroes blocks released INTO the cache"}[t.value]
                 raise CheckFailed(f"your decision {what} (transition {t.value!r}): that destroys data a reader is "
                                   "meant to reuse (bug class: scrubbing destroys the reuse the cache exists for)",
-                                  "zero on the way into the free list ('free', 'evict') or out of it ('allocate').")
+                                  "after this transition, who reads the block next, and who wrote its bytes?")
     _, exc = call_safely(scrub_action, "defragment", None)
     expect(isinstance(exc, ValueError), f"scrub_action('defragment', None) "
            f"{'returned normally' if exc is None else 'raised ' + type(exc).__name__}; expected ValueError",

@@ -46,13 +46,13 @@ def _diff_report(pool, before_k, before_v, ids: list[int], call: str, must_zero:
                         + (" -- the layers numbered like your block ids (bug class: indexed the wrong dimension)"
                            if wrong_dim else "") + ": that block may hold another request's live K/V or a cached "
                         "prefix",
-                        "index the block dimension (dim 1) with exactly the given ids; indexing dim 0 selects "
-                        "layers.") if wrong_dim else CheckFailed(
+                        "the pool is [layers, blocks, slots, heads, dim]: which dimension did your ids index, "
+                        "and which one names a block?") if wrong_dim else CheckFailed(
                         f"after {call}, block {b} (not in the list) changed in {name}, layer(s) {changed} (bug "
                         "class: a block outside the list changed): that block may hold another request's live K/V "
                         "or a cached prefix",
-                        "index the block dimension (dim 1) with exactly the given ids; pool.k_cache[ids] = 0 "
-                        "indexes dim 0, the layers.")
+                        "the pool is [layers, blocks, slots, heads, dim]: which dimension does your indexing "
+                        "select along, and which blocks did your call touch besides the given ones?")
     layers = pool.k_cache.shape[0]
     if must_zero:
         for b in ids:
@@ -66,7 +66,8 @@ def _diff_report(pool, before_k, before_v, ids: list[int], call: str, must_zero:
             for name, nonzero in dirty.items():
                 if nonzero:
                     hint = ("zero both k_cache and v_cache." if len(nonzero) == layers else
-                            "the block dimension is dim 1; index [:, ids] so that every layer (dim 0) is zeroed.")
+                            "which layers of the block did your write reach, and along which dimension of [layers, "
+                            "blocks, ...] did it index?")
                     bug = (f"{name} forgotten" if len(nonzero) == layers else "only some layers zeroed")
                     raise CheckFailed(f"after {call}, block {b} still holds {name} data in layer(s) {nonzero} "
                                       f"(bug class: {bug})", hint)
@@ -109,8 +110,8 @@ def check_zero_blocks(zero_blocks) -> str:
         expect(pool.k_cache is k and pool.v_cache is v,
                "zero_blocks replaced pool.k_cache / pool.v_cache with new tensors instead of zeroing them in place "
                "(bug class: out-of-place copy)",
-               "use an in-place operation (index_fill_, or indexed assignment): a copy costs as much memory as "
-               "the whole pool, and other code holds the original tensors.")
+               "other code holds the pool's original tensors: does your operation change them, or hand back new "
+               "ones (each as large as the whole pool)?")
         if ids and torch.equal(pool.k_cache, before_k) and torch.equal(pool.v_cache, before_v):
             raise CheckFailed(f"zero_blocks(pool, {list(ids)}) changed nothing in the pool: the zeros went into a "
                               "new tensor that was then dropped -- either an in-place op on a COPY (advanced indexing "
@@ -124,6 +125,6 @@ def check_zero_blocks(zero_blocks) -> str:
         expect(not many, f"zero_blocks(pool, {list(ids)}) wrote " + " and ".join(
                f"{name} in {n} separate in-place writes" for name, n in many.items()) + "; the contract is one "
                "indexed write per tensor (bug class: a write per block or per layer -- a Python loop where one "
-               "indexed operation does it)", "on a GPU every write is a kernel launch: give the whole list of ids to "
-               "ONE indexed operation along the block dimension.")
+               "indexed operation does it)", "on a GPU every write is a kernel launch: how many writes does your call "
+               "make per tensor, and could one write take the whole list of ids?")
     return "zeroes exactly the given blocks, in every layer, K and V, in place; [] is a no-op"

@@ -73,7 +73,7 @@ def check_hmac_keyed_by_secret(derive_tenant_key) -> None:
                    "different keys, which HMAC's key schedule never does (bug class: not HMAC -- a keyed hash built "
                    "some other way, e.g. a plain hash over a message that contains the secret)",
                    "which construction does the contract name, and what are its key and its message?  Lesson 07's "
-                   "cell on keyed hashing builds one; the standard library has it.")
+                   "section 4 and the glossary's HMAC entry describe it; the standard library has it.")
 
 
 @grader("a tenant key only the server can compute: keyed with the engine secret by a real MAC, distinct for every "
@@ -95,7 +95,8 @@ def check_tenant_key_derivation(derive_tenant_key, encode_fields=None) -> str:
     for t in ("alice", None):
         expect(derive_tenant_key(SECRET_B, t) != keys[t],
                f"two different engine secrets gave tenant {tenant_name(t)} the same key: anyone who knows the "
-               "tenant's name can compute it", "use the engine secret as the HMAC key.")
+               "tenant's name can compute it", "which input of your construction carries the engine secret, and "
+               "could someone who knows only the tenant's name compute the result?")
     for t, key in keys.items():
         expect(SECRET_A not in key and key not in SECRET_A,
                f"the key of tenant {tenant_name(t)} contains the engine secret (or is part of it)",
@@ -179,10 +180,12 @@ def check_tenant_keyed_hasher(hasher_cls, encode_fields=None) -> str:
            "the private blocks that follow would be shared across tenants.")
     expect(h(parent, (1, 2, 3, 4), (), None) != h(parent, (1, 2, 3, 4), (), KEY_A),
            "a shared block (tenant_key=None) and a tenant block got the same key",
-           "use the shared key derived from the secret when tenant_key is None.")
+           "what in your message, or in your key, tells a tenant block from a shared block with the same parent "
+           "and tokens?")
     expect(hasher_cls(SECRET_B)(None, (1, 2, 3, 4), (), None) != h(None, (1, 2, 3, 4), (), None),
            "shared blocks (tenant_key=None) get the same key under two different engine secrets: they are not "
-           "keyed, so anyone can compute them", "derive a shared key from the secret in __init__ (SHARED_LABEL).")
+           "keyed, so anyone can compute them", "blocks without a tenant key need a key too: from what can it come "
+           "that no client knows?")
     check_domain_marker(h, encode_fields)
     cached, log = engine_stage_hasher(h, "hmac-sha256")
     return (f"keyed in every block; with a public system prompt the engine shares exactly its "

@@ -234,6 +234,8 @@ def test_l3_solution_passes_and_stub_fails(capsys):
     ("across_tenants", mutants.detect_across_tenants, "per tenant"),
     ("prefix_only", mutants.detect_prefix_only, "within one block"),
     ("exact_prefix", mutants.detect_exact_prefix, "attackers, the reference catches"),
+    ("more_than_threshold", mutants.detect_more_than_threshold, "the threshold boundary"),
+    ("flags_victim", mutants.detect_flags_victim, "(victim)"),
 ])
 def test_l3_rejects_mutants_with_the_right_diagnosis(name, fn, why, capsys):
     ok, out = run(labs_detector.check_detector, fn, capsys, seeds=[1, 2])

@@ -53,11 +53,13 @@ def workload(seed: int) -> tuple[list[tuple[str, str]], dict[str, str]]:
     victims = [SYSTEM + f"My account number is {rng.integers(10**7, 10**8)}. Why was my card declined?"
                for _ in range(2)]
     first += [(take("victim"), v) for v in victims]
-    for _ in range(int(rng.integers(2, 4))):                       # attackers
+    for a in range(int(rng.integers(2, 4))):                       # attackers
         t, v = take("attacker"), victims[int(rng.integers(2))]
         known = v[:(len(SYSTEM) // BS + int(rng.integers(1, 4))) * BS]
         cands = {"".join(rng.choice(list("0123456789"), BS)) for _ in range(40)}
-        rest += [(t, known + c + "?") for c in sorted(cands)[:int(rng.integers(10, 17))]]
+        n = int(rng.integers(10, 17))
+        n = THRESHOLD if a == 0 else n  # one attacker sits exactly on the threshold: "at least" is the rule
+        rest += [(t, known + c + "?") for c in sorted(cands)[:n]]
     for _ in range(12):                                            # popular system prompt
         t = take("benign:popular")
         rest += [(t, SYSTEM + _words(rng, int(rng.integers(20, 80)))) for _ in range(int(rng.integers(1, 4)))]
@@ -127,11 +129,14 @@ def check_detector(detect_probing, *, seeds=None, timeout: float = 120.0) -> str
                f"detect_probing returned {str(flags)[:80]}; it must return a set of tenant names",
                "return {tenant, ...}, the tenants you flag")
         got, ref = score(flags, roles), score(reference_flags(records), roles)
-        wrongly = sorted({roles[t] for t in flags if roles.get(t, "").startswith("benign")})
-        missed = sum(roles.get(t) == "attacker" for t in set(roles) - set(flags))
+        wrongly = sorted({roles[t] for t in flags if roles.get(t, "").startswith("benign") or roles.get(t) == "victim"})
+        missed = sorted(len(_probes(records, t)) for t in set(roles) - set(flags) if roles.get(t) == "attacker")
         expect(got[0] >= ref[0], f"trail {seed}: caught {got[0]} of {got[1]} attackers, the reference catches "
-               f"{ref[0]}", "an attacker's probes share a prefix and differ only in the block after it"
-               + (f" ({missed} missed)" if missed else ""))
+               f"{ref[0]}" + (" (bug class: the threshold boundary -- an attacker with exactly threshold="
+                              f"{THRESHOLD} probes was missed: 'at least threshold' includes it)"
+                              if THRESHOLD in missed else ""),
+               "an attacker's probes share a prefix and differ only in the block after it"
+               + (f" ({len(missed)} missed)" if missed else ""))
         expect(got[2] <= ref[2], f"trail {seed}: flagged {got[2]} benign tenants ({', '.join(wrongly)}), the "
                f"reference flags {ref[2]}", next((_WHY[k] for k in _WHY if k in wrongly), "") or
                "a group of requests is an enumeration only if its members are distinct and end one block "
@@ -141,6 +146,11 @@ def check_detector(detect_probing, *, seeds=None, timeout: float = 120.0) -> str
     return "; ".join(lines)
 
 
+def _probes(records: list[dict], tenant: str) -> list[dict]:
+    """The request summaries of ``tenant`` in the trail (an attacker's are all probes)."""
+    return [r for r in records if r.get("event") == "summary" and r.get("tenant") == tenant]
+
+
 _WHY = {  # most telling first: the hint for the first kind of benign tenant that was flagged
     "benign:popular": "many tenants share a system prompt: group per tenant, never across tenants",
     "benign:retry": "a retry loop re-sends ONE prompt: count distinct tails (tail_fp), not requests",
@@ -148,5 +158,7 @@ _WHY = {  # most telling first: the hint for the first kind of benign tenant tha
                   "the group to end within one block after the shared prefix",
     "benign:chat": "a growing conversation shares its prefix but keeps getting longer: an enumeration's "
                    "requests end within one block after the shared prefix",
+    "victim": "a victim sent its prompt once: flag the tenant whose OWN requests form the enumeration, not the "
+              "owner of the prefix being enumerated",
 }
 

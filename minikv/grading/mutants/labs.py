@@ -164,13 +164,47 @@ def detect_exact_prefix(records, block_size, threshold=8):
     return flagged
 
 
+def _enumerations(records, block_size, threshold, more_than=False):
+    """(tenant, depth, prefix fp) of every group of at least -- or, wrongly, more than -- ``threshold``
+    distinct probes of near-equal length that end within one block after a shared prefix."""
+    found = set()
+    for t, reqs in _summaries(records).items():
+        for d in range(1, max(len(r["prefix_fps"]) for r in reqs) + 1):
+            groups = defaultdict(dict)
+            for r in reqs:
+                if d <= len(r["prefix_fps"]) <= d + 1:
+                    groups[r["prefix_fps"][d - 1]][r["tail_fp"]] = r["num_prompt_tokens"]
+            for fp, lengths in groups.items():
+                ls = sorted(lengths.values())
+                widest = max(sum(1 for y in ls if x <= y <= x + block_size) for x in ls)
+                if (widest > threshold) if more_than else (widest >= threshold):
+                    found.add((t, d, fp))
+    return found
+
+
+def detect_more_than_threshold(records, block_size, threshold=8):
+    """The right groups, but ``> threshold`` where the rule says "at least threshold": an attacker who
+    stops at exactly ``threshold`` probes walks through."""
+    return {t for t, _, _ in _enumerations(records, block_size, threshold, more_than=True)}
+
+
+def detect_flags_victim(records, block_size, threshold=8):
+    """The right groups, but every tenant that ever sent the enumerated prefix is flagged too: the victim
+    whose prompt is being probed is reported beside the attacker."""
+    found = _enumerations(records, block_size, threshold)
+    owners = {r["tenant"] for reqs in _summaries(records).values() for r in reqs for _, d, fp in found
+              if len(r["prefix_fps"]) >= d and r["prefix_fps"][d - 1] == fp}
+    return {t for t, _, _ in found} | owners
+
+
 LAB_MUTANTS = {
     "L1": entries(("no_filler", oracle_no_filler), ("double_check", oracle_double_check),
                   ("hard_coded", oracle_hard_coded), ("char_by_char", oracle_char_by_char)),
     "L2": entries(("back_to_back", timing_back_to_back), ("rounds_no_flush", timing_rounds_no_flush),
                   ("hard_coded", timing_hard_coded)),
     "L3": entries(("counts_requests", detect_counts_requests), ("across_tenants", detect_across_tenants),
-                  ("prefix_only", detect_prefix_only), ("exact_prefix", detect_exact_prefix)),
+                  ("prefix_only", detect_prefix_only), ("exact_prefix", detect_exact_prefix),
+                  ("more_than_threshold", detect_more_than_threshold), ("flags_victim", detect_flags_victim)),
     "L4": L4_MUTANTS,
 }
 

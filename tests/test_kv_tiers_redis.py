@@ -165,12 +165,17 @@ def test_keys_name_no_tokens_or_tenants_and_values_expire(store):
     assert all(0 < client.ttl(k) <= 120 for k in keys)
 
 
-def test_the_per_tenant_byte_budget_caps_one_tenant_not_the_others(store):
+def test_a_tenant_over_its_quota_displaces_its_own_oldest_blocks_never_another_tenants(store):
     url, client = store
-    value = 5 + 12 + 2 * 4 * 2 * 2 * 16 * 4 + 16  # header, nonce, one block, GCM tag (the MAC)
+    value = 5 + 12 + 12 + 2 * 4 * 2 * 2 * 16 * 4 + 16  # header, nonce, writer, one block, GCM tag (the MAC)
     a = instance(url + f"?budget_mib={2.5 * value / 2**20}")
-    send(a, "alice")  # 5 blocks; the budget holds 2
+    send(a, "bob", list(range(40, 60)))  # 5 blocks; the quota holds 2
     redis_tier = a.engine.tiers.tiers[0]
-    assert redis_tier.stats["puts"] == 2 and redis_tier.stats["refused_budget"] == 3
-    send(a, "bob", list(range(40, 60)))
-    assert redis_tier.stats["puts"] == 4  # bob's budget is his own
+    bob_tag = a.engine.tiers.sealer.tenant_tag("bob")
+    bob_keys = set(client.zrange(f"minikv/quota/v1/{bob_tag}/keys", 0, -1))
+    assert redis_tier.stats["puts"] == 5 and redis_tier.stats["displaced"] == 3 and len(bob_keys) == 2
+    assert redis_tier.used(bob_tag) == 2 * value and len(_keys(client)) == 2
+    send(a, "alice")  # alice, at her quota, displaces her own blocks only
+    assert redis_tier.stats["puts"] == 10 and redis_tier.stats["displaced"] == 6
+    assert bob_keys <= set(_keys(client)) and len(_keys(client)) == 4
+    assert redis_tier.used(a.engine.tiers.sealer.tenant_tag("alice")) == 2 * value

@@ -3,7 +3,7 @@
 Whoever can read the Redis behind a KV tier (an operator of another service on the same
 instance, a backup, a stolen snapshot) holds every tenant's K/V.  minikv's value format is public
 (:mod:`minikv.security.sealing`): a 5-byte header, then in the clear (UNSAFE
-``kv_tier_encrypt=False``) a 32-byte MAC and the body, which *is* the block, ``[layers, block_size, 2, kv_heads,
+``kv_tier_encrypt=False``) a 32-byte MAC, the writer's 12-byte tag and the body, which *is* the block, ``[layers, block_size, 2, kv_heads,
 head_dim]``; layer 0's V slots are its first ``block_size`` rows of V, and
 :func:`~minikv.attacks.kv_inversion.invert_layer0` turns them into token ids.  Sealed with
 AES-GCM the header is followed by a 12-byte nonce and the ciphertext: the same carving yields
@@ -19,7 +19,8 @@ from .kv_inversion import NO_TOKEN, Layer0Table, invert_layer0
 __all__ = ["dump_store", "layer0_v_from_values", "tokens_in_dump"]
 
 HEADER = 5  # magic + flag (sealing._FLAGS)
-OFFSETS = (HEADER + 32, HEADER + 12)  # the cleartext body, past its MAC; the ciphertext, past its nonce
+WRITER = 12  # the payload's head: the writer's tenant tag (minikv.tiers.link.WRITER), then the block
+OFFSETS = (HEADER + 32 + WRITER, HEADER + 12 + WRITER)  # the cleartext block, past MAC and writer; the ciphertext
 
 
 def dump_store(client, pattern: bytes = b"*") -> list[bytes]:

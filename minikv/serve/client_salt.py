@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import hashlib
 
+from ..security.domains import SALT_MARK
 from ..security.encoding import encode_fields
 from .protocol import APIError
 
 DOMAIN_LABEL = "minikv/serve-salt-domain/v1"
-SALT_MARK = "#salt-"
 MAX_SALT_CHARS = 1024
 
 

@@ -36,6 +36,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from ..engine.checks import show
 from ..engine.config import TIER_KEYS
+from .options import spec_error, number_option
 
 __all__ = ["KVTier", "HostTier", "TIERS", "TIER_KEYS", "WHEN", "is_tier", "make_tier", "parse_tiers"]
 
@@ -122,27 +123,45 @@ class HostTier:
         return len(self._values)
 
 
-def _host(spec: str, query: dict) -> HostTier:
-    mib = query.pop("mib", "256")
-    try:
-        return HostTier(int(float(mib) * (1 << 20)))
-    except ValueError:
-        raise ValueError(f"kv tier {spec!r}: mib must be a positive number, got {mib!r}") from None
+def _host_options(spec: str, query: dict) -> dict:
+    mib = number_option(spec, query, "mib", "256", minimum=0, maximum=MAX_HOST_MIB)
+    return dict(capacity=max(1, int(mib * (1 << 20))))
 
 
-def _redis(spec: str, query: dict):
+def _redis_options(spec: str, query: dict) -> dict:
+    from .redis_tier import redis_options  # no client import: options are checked without it
+    return redis_options(spec, query)
+
+
+def _redis(**options):
     from .redis_tier import RedisTier  # the redis client is imported only when asked for
-    return RedisTier.from_spec(spec, query)
+    return RedisTier(**options)
 
 
-#: tier name (the spec's scheme) -> factory(spec, options); options left unread are refused
-TIERS = {"host": _host, "redis": _redis}
+#: tier name (the spec's scheme) -> (options(spec, query) -> kwargs, factory(**kwargs)); options
+#: are checked strictly and without connecting; options left unread are refused
+TIERS = {"host": (_host_options, HostTier), "redis": (_redis_options, _redis)}
+MAX_HOST_MIB = 1 << 20  # 1 TiB of this process's memory: more is a typo
 
 
 def is_tier(obj) -> bool:
     """True for a tier object (not a spec): a ``name``, a ``when`` and ``put``/``get``/``evict``."""
     return (not isinstance(obj, str) and isinstance(getattr(obj, "name", None), str)
             and hasattr(obj, "when") and all(callable(getattr(obj, m, None)) for m in ("put", "get", "evict")))
+
+
+def _options(spec: str) -> tuple:
+    """``(factory, kwargs)`` for a spec string, every option checked; ValueError names a bad one."""
+    parts = urlsplit(spec)
+    name = parts.scheme or parts.path
+    if name not in TIERS:
+        raise spec_error(spec, f"unknown kind; valid kinds: {', '.join(TIERS)} (e.g. 'host', 'redis://127.0.0.1:6390/0')")
+    options, factory = TIERS[name]
+    query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
+    kwargs = options(spec, query)
+    if query:
+        raise spec_error(spec, f"unknown option(s) {', '.join(sorted(query))}")
+    return factory, kwargs
 
 
 def make_tier(spec) -> KVTier:
@@ -152,19 +171,12 @@ def make_tier(spec) -> KVTier:
         return spec
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"a kv tier is a spec string such as 'host' or 'redis://127.0.0.1:6390/0', got {show(spec)}")
-    parts = urlsplit(spec)
-    name = parts.scheme or parts.path
-    if name not in TIERS:
-        raise ValueError(f"unknown kv tier {spec!r}; valid kinds: {', '.join(TIERS)}")
-    query = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
-    tier = TIERS[name](spec, query)
-    if query:
-        raise ValueError(f"kv tier {spec!r}: unknown option(s) {', '.join(sorted(query))}")
-    return tier
+    factory, kwargs = _options(spec)
+    return factory(**kwargs)
 
 
 def parse_tiers(specs) -> tuple:
-    """``kv_tiers`` as a tuple of spec strings (checked, not built: building connects) and tier
+    """``kv_tiers`` as a tuple of spec strings (checked strictly, not built: building connects) and tier
     objects (kept as they are, so engines given one share it).  TypeError names an entry that is
     neither."""
     if specs is None:
@@ -181,7 +193,5 @@ def parse_tiers(specs) -> tuple:
         if not isinstance(s, str):
             raise TypeError(f"kv_tiers: {show(s)} ({type(s).__name__}) is neither a tier spec string nor a "
                             "tier object (name, when, put, get, evict: minikv.tiers.KVTier)")
-        if (urlsplit(s).scheme or urlsplit(s).path) not in TIERS:
-            raise ValueError(f"kv_tiers: unknown tier {show(s)}; valid kinds: {', '.join(TIERS)} "
-                             "(e.g. 'host', 'redis://127.0.0.1:6390/0')")
+        _options(s)  # every option checked, nothing built or connected
     return tuple(specs)

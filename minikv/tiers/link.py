@@ -18,6 +18,17 @@ is one lifecycle transition (:mod:`~minikv.engine.lifecycle`):
   copied into a free pool block, which is then registered like a block this engine computed.  A
   value that fails is dropped from its tier, counted (``stats["refused"]``), logged, never used.
 
+Writers: a sealed value carries, inside its MAC and encryption, the fingerprint of the tenant that
+wrote the block (``WRITER``: a keyed tag, never the name).  An onloaded block is then recorded in
+the trail as *that* tenant's (the name if this instance has seen it, else ``tier-writer:<tag>``),
+so a cross-tenant tier hit -- possible only under UNSAFE content keys -- is a cross-tenant hit in
+this instance's own trail, not a block the reader seems to have written itself.  Byte quotas in
+a shared store are charged to the API-key tenant (``security.domains.tenant_of``): a salted
+domain is its tenant's, and a fresh salt is no fresh quota.
+
+Blocking tiers (``blocking = True``: Redis) are called through :class:`~minikv.tiers.offthread.OffThread`:
+off the step thread, with the tier's deadline; a stalled store is a miss, never a stalled step.
+
 Keys (``tier_keys``): ``"tenant"`` (default) files a block under the hash the pool uses, keyed
 with its tenant's key.  UNSAFE ``"content"`` files it under the same chain *without* any tenant
 key and seals it in one shared domain: LMCache #4825's ``cache_salt=''``; a tenant on another
@@ -27,22 +38,31 @@ tenant-keyed.
 from __future__ import annotations
 
 import logging
+import struct
 import time
 
 import torch
 
 from ..engine.block_manager import Found
 from ..engine.lifecycle import Transition
+from ..security.domains import tenant_of
 from ..security.sealing import SealError, Sealer, binding, tier_key, tier_space
 from .kv_tiers import make_tier
+from .offthread import OffThread
 
 log = logging.getLogger("minikv.tiers")
+
+WRITER = struct.Struct("!4s8s")  # b"MKW1", then the writer's tenant tag: the head of every payload
+WRITER_MAGIC = b"MKW1"
+UNKNOWN_WRITER = "tier-writer:"  # + tag: a writer this instance has not served (another instance's tenant)
+MAX_NAMES = 4096  # tags remembered per link (a salted domain is one more; the table is cleared when full)
 
 
 class TierLink:
     def __init__(self, config, pool, blocks, hasher, secret: bytes, model, tiers=None):
         self.pool, self.pool_blocks, self.hasher, self.mode = pool, blocks, hasher, config.kv_tier_keys
-        self.tiers = list(tiers) if tiers is not None else [make_tier(s) for s in config.kv_tiers]
+        tiers = list(tiers) if tiers is not None else [make_tier(s) for s in config.kv_tiers]
+        self.tiers = [OffThread(t, t.deadline) if getattr(t, "blocking", False) else t for t in tiers]
         self.sealer = Sealer(secret, encrypt=config.kv_tier_encrypt)
         self.bs = pool.block_size
         self.model = model.fingerprint()  # the weights' digest, not a path: see LlamaModel.fingerprint
@@ -52,7 +72,24 @@ class TierLink:
         self.stats = dict(offloaded=0, stored=0, onloaded=0, refused=0, misses=0, seal_s=0.0, open_s=0.0)
         self.hits_by_tier = {t.name: 0 for t in self.tiers}
         self.keys: dict[int, tuple] = {}  # block id -> (tier key, tokens, domain) while registered
-        self._scratch = bytearray(self.nbytes)  # fetch decrypts here; load copies it into the pool
+        self._scratch = bytearray(WRITER.size + self.nbytes)  # fetch decrypts here; load copies it into the pool
+        self._names: dict[str, str | None] = {}  # tenant tag -> the tenant, for those seen here
+
+    def tag(self, tenant: str | None) -> str:
+        """``tenant``'s opaque tag (``Sealer.tenant_tag``), remembered so a tier hit names it."""
+        t = self.sealer.tenant_tag(tenant)
+        if t not in self._names:
+            if len(self._names) >= MAX_NAMES:
+                self._names.clear()
+            self._names[t] = tenant
+        return t
+
+    def writer_of(self, tag: str, reader: str | None) -> str | None:
+        """The tenant that wrote a block, from the tag sealed in it: the reader itself, a tenant
+        this instance has seen, or ``tier-writer:<tag>``."""
+        if tag == self.tag(reader):
+            return reader
+        return self._names.get(tag, UNKNOWN_WRITER + tag)
 
     # ---------------------------------------------------------------- what a block is, in a tier
     @property
@@ -83,9 +120,10 @@ class TierLink:
         return binding(key, self.model, self.dtype, self.geometry, tokens)
 
     # ---------------------------------------------------------------- pool -> tiers
-    def _seal_block(self, bid: int, key: bytes, tokens, domain: tuple) -> bytes:
+    def _seal_block(self, bid: int, key: bytes, tokens, domain: tuple, writer: str | None) -> bytes:
         kv = self.pool._kv[:, bid]  # [layers, bs, 2, heads, dim]: one block's K and V
-        payload = kv.contiguous().view(torch.uint8).cpu().numpy().tobytes()
+        head = WRITER.pack(WRITER_MAGIC, bytes.fromhex(self.tag(writer)))
+        payload = head + kv.contiguous().view(torch.uint8).cpu().numpy().tobytes()
         t0 = time.perf_counter()
         value = self.sealer.seal(payload, self._bound(key, tokens), domain)
         self.stats["seal_s"] += time.perf_counter() - t0
@@ -96,9 +134,9 @@ class TierLink:
         if not targets or block.block_id not in self.keys:
             return 0
         key, tokens, domain = self.keys[block.block_id]
-        value = self._seal_block(block.block_id, key, tokens, domain)
-        tag = self.sealer.tenant_tag(block.writer_tenant)
-        return sum(t.put(key, value, tag) for t in targets)
+        value = self._seal_block(block.block_id, key, tokens, domain, block.writer_tenant)
+        quota = self.sealer.tenant_tag(tenant_of(block.writer_tenant))  # the API-key tenant pays
+        return sum(t.put(key, value, quota) for t in targets)
 
     def on_block_event(self, transition, ids: list[int], seq) -> None:
         if transition == Transition.STORE and seq is not None:
@@ -131,8 +169,8 @@ class TierLink:
             t0 = time.perf_counter()
             try:
                 payload = self.sealer.open(value, bound, domain, out=self._scratch)
-                if len(payload) != self.nbytes:
-                    raise SealError(f"payload of {len(payload)} bytes, expected {self.nbytes}")
+                if len(payload) != WRITER.size + self.nbytes or payload[:4] != WRITER_MAGIC:
+                    raise SealError(f"payload of {len(payload)} bytes, expected a writer and {self.nbytes}")
             except SealError as exc:
                 self.stats["refused"] += 1
                 log.warning("kv tier %s: a value failed verification and was dropped: %s", tier.name, exc)
@@ -141,7 +179,8 @@ class TierLink:
             finally:
                 self.stats["open_s"] += time.perf_counter() - t0
             self.hits_by_tier[tier.name] += 1
-            return Found((payload, (key, tokens, domain)), seq.tenant)
+            writer = self.writer_of(bytes(payload[4:WRITER.size]).hex(), seq.tenant)
+            return Found((payload, (key, tokens, domain)), writer)
         self.stats["misses"] += 1
         return None
 
@@ -149,9 +188,16 @@ class TierLink:
         """Copy a verified payload (``Sealer.open``'s writable bytes) into pool block ``bid`` (every
         slot: nothing stale survives); the block is now filed under the key it came from."""
         payload, self.keys[bid] = found.data
-        src = torch.frombuffer(payload, dtype=torch.uint8).view(self.pool.dtype)
+        src = torch.frombuffer(payload, dtype=torch.uint8, offset=WRITER.size).view(self.pool.dtype)
         self.pool._kv[:, bid].copy_(src.view(self.pool._kv[:, bid].shape))
         self.stats["onloaded"] += 1
+
+
+    def wait(self) -> None:
+        """Wait until no tier call is still running off the step thread (tests, shutdown)."""
+        for t in self.tiers:
+            if isinstance(t, OffThread):
+                t.wait()
 
 
 def attach_tiers(engine) -> "TierLink | None":

@@ -195,8 +195,8 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from minikv.bench_base import random_prompts
-    from minikv.bench_engine import format_machine, machine_info
+    from minikv.bench.base import random_prompts
+    from minikv.bench.speed import format_machine, machine_info
     from minikv.models.hub import resolve_model
 
     path = str(resolve_model(args.model))

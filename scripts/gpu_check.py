@@ -15,7 +15,7 @@ and the byte-level test tokenizer, saves it to a temporary directory and checks 
 3. ``python -m minikv.bench --device cuda`` on that model in bf16 and fp32: throughput against
    transformers, TTFT, prefill FLOP/s against the measured matmul peak, ops and kernels per
    decode step;
-4. issue 38's TTFT scan (``minikv.bench_ttft_scan``): prefix hit against miss at 256, 1,024, 4,096
+4. issue 38's TTFT scan (``minikv.bench.ttft_scan``): prefix hit against miss at 256, 1,024, 4,096
    and 7,000 tokens, bf16 and fp32, 12 alternating pairs each, medians of the engine's TTFT, the
    one-sided Mann-Whitney p and a 1,024-token miss against its FLOP floor, printed as issue 38's
    table with PASS/FAIL per row against its targets (each a check of the summary), and that every
@@ -157,7 +157,7 @@ def check_correctness(path: Path, device: str = "cuda") -> list[tuple[str, bool,
 def scan_step(results: list, path: str, device: str) -> None:
     """Issue 38's TTFT scan, its table printed; on a GPU each row is a check against its targets,
     in a dry run (tiny-random, 32 and 64 tokens, 4 pairs) one check that it ran and printed every row."""
-    from minikv.bench_ttft_scan import format_scan, run_scan, verdicts
+    from minikv.bench.ttft_scan import format_scan, run_scan, verdicts
 
     t0 = time.perf_counter()
     if device == "cpu":
@@ -184,7 +184,7 @@ def scan_step(results: list, path: str, device: str) -> None:
 def triton_scan(results: list, path: str) -> None:
     """The scan again in bf16 on the ``triton`` backend (hits read the pool in place, no gather),
     its rows checks of their own, named ``[triton] ...``."""
-    from minikv.bench_ttft_scan import format_scan, run_scan, verdicts
+    from minikv.bench.ttft_scan import format_scan, run_scan, verdicts
 
     t0 = time.perf_counter()
     try:
@@ -273,7 +273,7 @@ def main(argv=None) -> int:
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from minikv.bench_engine import format_engine
+    from minikv.bench.speed import format_engine
 
     device = "cpu" if args.dry_run_cpu else "cuda"
     if device == "cuda" and not torch.cuda.is_available():

@@ -55,7 +55,7 @@ def main(argv=None) -> int:
 
     sys.path.insert(0, str(ROOT))
     from minikv import LLM, SamplingParams
-    from minikv.bench_base import random_prompts, sync
+    from minikv.bench.base import random_prompts, sync
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(args.device)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from minikv import LLM
-from minikv.bench_engine import count_decode_ops as decode_step_ops  # what the benchmark prints
+from minikv.bench.speed import count_decode_ops as decode_step_ops  # what the benchmark prints
 from minikv.engine import SamplingParams
 from minikv.backends.registry import ATTENTION_BACKENDS, BACKENDS, FUSED, resolve_backend
 from tests.engine_helpers import assert_traces_close

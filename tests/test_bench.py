@@ -8,7 +8,7 @@ import torch
 
 from minikv import LLM
 from minikv.bench import format_report, main
-from minikv.bench_base import hit_rate_vs_tenants
+from minikv.bench.base import hit_rate_vs_tenants
 
 
 def test_bench_report_holds_every_figure_beside_its_ratio(tmp_path, capsys):
@@ -37,7 +37,7 @@ def test_bench_report_holds_every_figure_beside_its_ratio(tmp_path, capsys):
         assert t["backend"] == auto and t["repeats"] >= 2 and t["load_before"] >= 0
         assert t["requests"] == 4 and t["tokens_per_request"] == 8
         assert f"ratio {t['throughput_ratio']:.2f}" in text
-    from minikv.bench_base import random_prompts
+    from minikv.bench.base import random_prompts
 
     vocab = LLM("tiny-random", device="cpu").engine.model.shape.vocab_size
     for dtype, p in report["prefill_by_dtype"].items():
@@ -80,7 +80,7 @@ def test_bench_report_holds_every_figure_beside_its_ratio(tmp_path, capsys):
         assert f"{backend:<9} {ops[backend]['ops']:6d}" in text
     assert f"{auto:<9} {ops[auto]['ops']:6d}   casts {ops[auto]['casts']:4d}   target <= 500" in text
     # issue 11's targets are the CPU's: a GPU report prints each one as "CPU target", none as its own
-    from minikv.bench_engine import format_engine
+    from minikv.bench.speed import format_engine
 
     cpu_lines, gpu_lines = format_engine(report), format_engine({**report, "device": "cuda"})
     targets = [line for line in cpu_lines if "target " in line]
@@ -91,7 +91,7 @@ def test_bench_report_holds_every_figure_beside_its_ratio(tmp_path, capsys):
 
 def test_every_timed_engine_runs_on_a_resident_pool(monkeypatch, capsys):
     """The throughput, TTFT and prefill sections time no first-touch page faults: every engine they
-    run has had its pool prefaulted before its first request (bench_base.resident)."""
+    run has had its pool prefaulted before its first request (minikv.bench.base.resident)."""
     from minikv.engine.kv_pool import KVPool
 
     prefaulted, runs = set(), []
@@ -141,7 +141,7 @@ def test_bad_workload_sizes_are_refused_by_name(capsys):
 
 
 def test_prefill_flops_count_matmuls_attention_and_head_without_padding():
-    from minikv.bench_prefill import prefill_flops
+    from minikv.bench.prefill import prefill_flops
 
     m = LLM("tiny-random", device="cpu").engine.model
     s = m.shape
@@ -168,7 +168,7 @@ def test_fairness_runs_and_counts_the_attackers_rejections():
     positive gaps, and every attacker request was refused (4xx).  Speed is reported, not asserted."""
     import math
 
-    from minikv.bench_fairness import bench_fairness, format_fairness
+    from minikv.bench.fairness import bench_fairness, format_fairness
 
     res = bench_fairness(LLM("tiny-random", device="cpu"), attackers=(1,), victim_tokens=12)
     rows = res["rows"]
@@ -200,7 +200,7 @@ def test_isolation_section_reports_every_cost_on_both_pools():
     read.  Bookkeeping, not timing: the figures themselves are the benchmark's to print."""
     import math
 
-    from minikv.bench import bench_isolation
+    from minikv.bench.isolation import bench_isolation
 
     out = bench_isolation(LLM("tiny-random", device="cpu"), tenants=(1,))
     keys = {f"hash_over_prefill[{a}]" for a in ("sha256", "hmac-sha256", "blake2b-keyed")}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from minikv.bench_base import random_prompts
+from minikv.bench.base import random_prompts
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_peers.py"
 

@@ -1,4 +1,4 @@
-"""``python -m minikv.bench --only tiers`` (minikv/bench_tiers.py) on tiny-random with tiny sizes:
+"""``python -m minikv.bench --only tiers`` (minikv/bench/tiers.py) on tiny-random with tiny sizes:
 every figure is printed, hit rates are rates, and every ratio is the quotient of the absolutes
 printed beside it.  Without Redis only the Redis rows are skipped, naming ``make redis``."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from minikv import LLM
 from minikv.bench import SECTIONS, format_report
-from minikv.bench_tiers import TARGETS, bench_tiers, format_tiers
+from minikv.bench.tiers import TARGETS, bench_tiers, format_tiers
 
 SMALL = dict(prefix_tokens=64, repeats=2, workload_tokens=32)
 

@@ -1,5 +1,5 @@
-"""The FLOP and byte floors lesson 03 prints (``bench_ttft_scan.forward_floors``), checked against
-counts done by hand on a config small enough to count, and against ``bench_prefill.prefill_flops``
+"""The FLOP and byte floors lesson 03 prints (``minikv.bench.ttft_scan.forward_floors``), checked against
+counts done by hand on a config small enough to count, and against ``minikv.bench.prefill.prefill_flops``
 (the FLOPs ``make gpu-check`` divides by) on the tiny-random model."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from minikv.bench_ttft_scan import floor_s, forward_floors
+from minikv.bench.ttft_scan import floor_s, forward_floors
 
 # hidden 4, MLP 6, 2 layers, 2 query heads sharing 1 KV head of dimension 2, 10 tokens, tied embeddings
 TINY = dict(hidden_size=4, intermediate_size=6, num_hidden_layers=2, num_attention_heads=2,
@@ -53,7 +53,7 @@ def test_floor_is_the_larger_of_arithmetic_and_traffic():
 
 def test_a_miss_counts_what_prefill_flops_counts():
     from minikv import LLM
-    from minikv.bench_prefill import prefill_flops
+    from minikv.bench.prefill import prefill_flops
     from minikv.models.hub import resolve_model
 
     llm = LLM("tiny-random", device="cpu")

@@ -85,7 +85,7 @@ def test_dry_run_on_the_cpu_runs_every_step_and_summarizes_the_bench(tmp_path):
 def test_the_scan_checks_that_every_request_replayed_a_prefill_graph():
     """On CUDA (fused, triton) every hit and miss of the scan is a prefill graph replay; one that ran
     eagerly (a bucket that did not fit, a runner that was not there) fails the check, by count."""
-    from minikv.bench_ttft_scan import format_scan, verdicts
+    from minikv.bench.ttft_scan import format_scan, verdicts
 
     row = {"length": 256, "hit_ms": 1.0, "miss_ms": 2.0, "ratio": 0.5, "p": 1e-5, "auc": 1.0, "n": (12, 12)}
     for replays, ok in ((27, True), (26, False)):
@@ -104,7 +104,7 @@ def test_scan_statistics_come_from_the_samples():
     hits clearly faster give a tiny p; the same distribution on both sides, or slower hits, do not."""
     import random
 
-    from minikv.bench_ttft_scan import hit_miss_stats, verdict
+    from minikv.bench.ttft_scan import hit_miss_stats, verdict
 
     rng = random.Random(0)
     fast = [0.008 + rng.random() * 0.002 for _ in range(12)]

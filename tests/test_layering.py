@@ -29,9 +29,7 @@ LAYERS = (
     ("minikv.llm",),                                # the front door: composes the three above
     ("minikv.audit", "minikv.serve", "minikv.attacks"),  # tools that drive or read an engine
     ("minikv.viz", "minikv.edge", "minikv.grading", "minikv.gateway"),  # built on those tools
-    ("minikv", "minikv.cli", "minikv.__main__", "minikv.bench", "minikv.bench_fairness",  # entry points
-     "minikv.bench_sharing", "minikv.bench_engine", "minikv.bench_prefill", "minikv.bench_base",
-     "minikv.bench_tiers", "minikv.bench_ttft_scan"),
+    ("minikv", "minikv.cli", "minikv.__main__", "minikv.bench"),  # entry points (minikv.bench: every section)
 )
 ENTRY_POINTS = LAYERS[-1]
 #: modules that belong to a unit other than their own name: the trail's file writer is part of
@@ -278,13 +276,13 @@ def test_no_import_cycles_among_minikv_modules():
 
 @pytest.mark.parametrize("module,is_package,source,expected", [
     # a lazy import inside a function still closes a circle
-    ("minikv.bench_prefill", False, "def f():\n    from .bench_engine import format_engine\n",
-     "minikv/bench_engine.py line"),
+    ("minikv.bench.prefill", False, "def f():\n    from .speed import format_engine\n",
+     "minikv/bench/speed.py line"),
     # a TYPE_CHECKING-only import too: it is a dependency a type checker follows
     ("minikv.engine.sampling", False, "if TYPE_CHECKING:\n    from .sequence import Sequence\n",
      "-> minikv/engine/sequence.py line"),
     # through a package's __init__
-    ("minikv.bench_base", False, "from .bench_sharing import ZIPF\n", "minikv/bench_sharing/__init__.py line"),
+    ("minikv.bench.base", False, "from .sharing import ZIPF\n", "minikv/bench/sharing/__init__.py line"),
 ])
 def test_a_planted_cycle_is_named_by_its_files(module, is_package, source, expected):
     sources = package_sources()

@@ -309,7 +309,7 @@ def test_smollm2_decode_step_dispatches_at_most_500_ops(smollm2_path):
     of SmolLM2 at batch 16 (``torch.profiler``, top-level ops).  Measured: 405 in bf16, against
     492 for the fused backend and 2,059 for the reference."""
     from minikv import LLM
-    from minikv.bench_engine import count_decode_ops
+    from minikv.bench.speed import count_decode_ops
 
     llm = LLM(str(smollm2_path), dtype="bfloat16", enforce_eager=True)
     assert llm.engine.attention_backend == "cpu_kernels"  # what auto picks with the kernel built

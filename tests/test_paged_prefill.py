@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from minikv import LLM, SamplingParams
-from minikv.bench_engine import completed, count_ops, op_totals, random_prompts
+from minikv.bench.speed import completed, count_ops, op_totals, random_prompts
 from minikv.backends import cpu_kernels
 from minikv.backends.cuda_graphs import DecodeGraphRunner
 from minikv.backends.prefill_graphs import PrefillGraphRunner

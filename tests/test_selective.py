@@ -264,9 +264,9 @@ def test_the_dispatch_runs_the_rekey_hooks(base):
 
 
 def test_admit_only_makes_the_decisions_generate_makes(base):
-    """The benchmark's cheap path (minikv.bench_sharing.admit_only) skips only the forward pass:
+    """The benchmark's cheap path (minikv.bench.sharing.admit_only) skips only the forward pass:
     per request, the same cached-token counts as generate, under every policy."""
-    from minikv.bench_sharing import admit_only
+    from minikv.bench.sharing import admit_only
     pool = contents(11, 4, blocks=4)
     rng = __import__("random").Random(0)
     reqs = [(f"t{rng.randrange(6)}", pool[min(3, int(rng.expovariate(1.0)))] + [rng.randrange(3, 250) for _ in range(20)])

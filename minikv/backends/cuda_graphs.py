@@ -6,7 +6,7 @@ on the :class:`GraphRunner` base and the capture strategies of this module.)
 **Why.**  A decode step of a small model is *launch-bound*: each token does little arithmetic,
 but the forward is hundreds of small operations.  The fused backend dispatches about 500 ops
 per decode step for SmolLM2 at batch 16 (counted with ``torch.profiler`` on the CPU, see
-``minikv.bench_engine``); on a GPU each one is a kernel launch, a few microseconds of CPU time
+``minikv.bench.speed``); on a GPU each one is a kernel launch, a few microseconds of CPU time
 for a kernel that itself may run for less.  A CUDA graph records the whole sequence of launches
 once (*capture*) and hands it to the GPU in one call afterwards (*replay*): the CPU no longer
 paces the GPU.  nano-vllm and vLLM both capture their decode steps this way.
@@ -68,7 +68,7 @@ def bucket(sizes: list[int], n: int) -> int | None:
     return next((s for s in sizes if s >= n), None)
 
 
-# The profiler's name for a replay.  ``bench_engine.count_ops`` counts it as one dispatched op and
+# The profiler's name for a replay.  ``minikv.bench.speed.count_ops`` counts it as one dispatched op and
 # not what runs inside it, as a CUDA host dispatches one graph launch for the whole step (the op
 # budget's rule: "graph replays count as one"); the eager stand-in below is marked the same way, so the CPU
 # counts what a GPU's host would, and reports the ops inside separately.

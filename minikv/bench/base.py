@@ -1,7 +1,7 @@
 """What every benchmark section stands on: its workloads and its timers.
 
-``python -m minikv.bench`` is several modules, one per section (:mod:`minikv.bench_engine`,
-:mod:`minikv.bench_prefill`, :mod:`minikv.bench_sharing`, ...), and they measure on the same
+``python -m minikv.bench`` is several modules, one per section (:mod:`minikv.bench.speed`,
+:mod:`minikv.bench.prefill`, :mod:`minikv.bench.sharing`, ...), and they measure on the same
 footing: the same seeded prompts, the same clock, the same steady-state pool.  Those shared
 pieces live here, below every section, so that sections import this module and never each
 other's internals (an import circle between two sections is how a "helper" ends up owned by
@@ -16,6 +16,7 @@ whichever file happened to need it first).
 """
 from __future__ import annotations
 
+import gc
 import random
 import time
 import warnings
@@ -23,10 +24,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .engine import SamplingParams, UnsafeSettingWarning
+from ..engine import SamplingParams, UnsafeSettingWarning
+from ..backends.host_memory import give_back_freed_memory
 
 if TYPE_CHECKING:
-    from .llm import LLM
+    from ..llm import LLM
 
 
 def random_prompts(vocab: int, n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
@@ -40,10 +42,9 @@ def resident(llm):
 
     A CPU pool's pages are faulted in the first time each is written, and freed blocks go to the
     back of the free list (as in vLLM), so every run of a workload on a young pool writes blocks
-    never written before: each prefill of the prefill section took 59,040 page faults (231 MB of
-    pool written for the first time), until the pool had been used all round.  What a fault costs depends on the
-    VM's moment (a fresh GiB took 0.7 s in one run and 5.2 s in another, ``host_memory.populate``),
-    so those faults moved every figure with a prefill in it, and not on both sides of a ratio:
+    never written before, and pays their page faults, until the pool has been used all round.
+    What a fault costs depends on the VM's moment (docs/BENCHMARKS.md, "Memory", has the counts
+    and times), so those faults moved every figure with a prefill in it, and not on both sides of a ratio:
     transformers' buffers come from the heap its warm-up already touched.  A server that has been
     up a while has touched its whole pool; the benchmark times that steady state, on every engine
     it times (the isolation section also prints scrubbing on a fresh pool, where it differs most)."""
@@ -54,9 +55,9 @@ def resident(llm):
 def completed(outputs: list) -> list:
     """``outputs``, once none of its requests failed.  The engine finishes a request whose forward
     raised with ``finish_reason="error"`` and keeps serving the rest (``step_guard.py``), so a
-    benchmark that only counted tokens would time failures and print their speed: on an H200 the
-    fp32 runs once "ran" at 102 tok/s with every request failed.  A failed request stops the
-    benchmark instead, naming it and its error."""
+    benchmark that only counted tokens would time failures and print their speed (docs/BENCHMARKS.md,
+    "GPU", tells of a run that did).  A failed request stops the benchmark instead, naming it and
+    its error."""
     bad = [o for o in outputs if o.outputs[0].finish_reason == "error"]
     if bad:
         raise RuntimeError(f"{len(bad)} of {len(outputs)} benchmark requests failed, the first "
@@ -85,7 +86,7 @@ def hit_rate_vs_tenants(base: LLM, tenants=(1, 4, 16, 64), seed=0, questions_per
     """Prefix-cache hit rate (cached / prompt tokens) when N tenants share one system prompt.
     Each configuration is a fork of ``base``: a fresh pool, the same weights.  ``extra_policies``:
     more ``(label, fork settings)`` rows on the same requests; ``measure(llm, prompt, tenant) ->
-    (cached, prompt tokens)`` replaces the one-request ``generate`` (``minikv.bench_sharing``)."""
+    (cached, prompt tokens)`` replaces the one-request ``generate`` (``minikv.bench.sharing``)."""
     system = "You are the support assistant of ACME Corp. Answer politely, cite the policy, never share data. " * 3
     words = "order refund shipping invoice account password delivery warranty".split()
     policies = (("shared (unsafe)", dict(cache_isolation="shared")),
@@ -112,3 +113,11 @@ def hit_rate_vs_tenants(base: LLM, tenants=(1, 4, 16, 64), seed=0, questions_per
 def _generate_one(llm: LLM, prompt, tenant) -> tuple[int, int]:
     o = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0), tenant=tenant)[0]
     return o.num_cached_tokens, len(o.prompt_token_ids)
+
+
+def release() -> None:
+    """Between sections, and between the dtypes of one: the last engines and models are garbage
+    now, and the heap keeps what they freed (``host_memory.keep_freed_memory``), so hand it back
+    before the next ones are built, or every section's peak would stack on the one before."""
+    gc.collect()
+    give_back_freed_memory()

@@ -4,10 +4,10 @@
 
 A server is shared: one engine thread, one tokenizer thread, one event loop, one GIL.  A tenant
 does not need to be *served* to take those from the others; being *refused* costs the server
-something too (read the body, parse it, check it, perhaps tokenize it).  Issue 14 measured an
-attacker whose every request got a 400 raise a victim's median gap between streamed tokens from
-53 ms to 3 s with four connections.  This benchmark replays that attack against the server as it
-is now and reports what the victim sees.
+something too (read the body, parse it, check it, perhaps tokenize it): before the server's
+cheap checks and rate limit, four connections of requests that all got a 400 multiplied a
+victim's median gap between streamed tokens many times over (docs/BENCHMARKS.md).  This
+benchmark replays that attack against the server as it is now and reports what the victim sees.
 
 What runs
     * the server under test: ``create_app(LLM(model), keys, limits=ServeLimits(...))`` in a
@@ -223,7 +223,7 @@ def measure(llm, limits, clients: Clients, attackers=(1, 4, 16), kinds=("oversiz
     """One server around ``llm`` with ``limits``: the victim alone (``conns`` 0), then against each
     attack kind and connection count.  ``rounds`` repeats the sweep, baseline included (gaps
     pooled), so that slow drift of the machine's load spreads over every row alike."""
-    from .serve import BackgroundServer, create_app
+    from ..serve import BackgroundServer, create_app
 
     requests = attack_bodies(limits.max_body_bytes, limits.prompt_chars(llm.engine.max_model_len))
     plan = [("none", 0)] + [(kind, n) for kind in kinds for n in attackers if n]
@@ -266,7 +266,7 @@ def bench_fairness(llm, attackers=(1, 4, 16), kinds=("oversize", "overlong"), vi
     """The fairness section of ``python -m minikv.bench``: default limits, then rate limit off."""
     from dataclasses import asdict, replace
 
-    from .serve import ServeLimits
+    from ..serve import ServeLimits
 
     t0 = time.perf_counter()
     configs = {"default limits": ServeLimits(), "rate limit off": replace(ServeLimits(), requests_per_s=None)}

@@ -1,8 +1,8 @@
-"""Prefill figures for ``python -m minikv.bench``: how close a prefill comes to the matmul peak.
+"""The ``prefill`` section: how close a prefill comes to the matmul peak.
 
 A prefill is mostly matmuls, so its useful FLOP/s are judged against what ``torch.matmul``
-itself reaches on this machine for the model's own layer shapes (issue 11: >= 80% in fp32,
->= 60% in bf16).  Both halves are measured here, in the same run, alternating:
+itself reaches on this machine for the model's own layer shapes (targets: >= 80% in fp32,
+>= 60% in bf16, on the CPU).  Both halves are measured here, in the same run, alternating:
 
 * :func:`prefill_flops` counts the useful work: every layer's matmuls on every token, causal
   attention over the keys at or before each query, the LM head on each sequence's last token.
@@ -14,10 +14,9 @@ itself reaches on this machine for the model's own layer shapes (issue 11: >= 80
 
 Why the passes are printed, not only their best: a pass takes a fraction of a second and a
 prefill several seconds, so on a shared machine the best of three short passes catches the
-machine's best moment while the prefill averages over its moments.  On one 2-core Intel Xeon
-with AMX, bf16 passes read either ~770 or ~1,980 GFLOP/s from one round to the next
-(docs/BENCHMARKS.md, machine E); the median pass beside the best shows how much of a ratio is
-the peak's luck.  The target stays on the best pass, the stricter of the two.
+machine's best moment while the prefill averages over its moments, and on some machines the
+peak itself is bimodal from one round to the next (docs/BENCHMARKS.md, machine E); the median
+pass beside the best shows how much of a ratio is the peak's luck.  The target stays on the best pass, the stricter of the two.
 """
 from __future__ import annotations
 
@@ -25,8 +24,9 @@ import statistics
 
 import torch
 
-from .bench_base import completed, random_prompts, resident, timed
-from .engine import SamplingParams
+from ..engine import SamplingParams
+from ..llm import LLM
+from .base import completed, random_prompts, release, resident, timed
 
 
 def _linear_shapes(model) -> list[tuple[int, int]]:
@@ -86,9 +86,8 @@ def prefill_efficiency(llm, n=16, seed=0, rounds=3, passes=3) -> dict:
 
     The two sides alternate: each of ``rounds`` rounds times one prefill of the prompts, then
     ``passes`` passes of the peak (:func:`matmul_passes`), so that both halves of a round's ratio
-    see the same minute of a shared machine.  Measured one after the other, the same code read
-    106.6 / 143.5 and then 144.3 / 182.0 GFLOP/s on one 2-core machine a minute apart: the peak
-    itself moved 27%.  The figures returned are those of the median round (by its ratio), with
+    see the same minute of a shared machine: measured one after the other, a minute apart, the
+    peak itself can move by a quarter (docs/BENCHMARKS.md).  The figures returned are those of the median round (by its ratio), with
     every round's beside them; each round also keeps its passes and its prefill over the median
     pass (the module docstring says why)."""
     eng = llm.engine
@@ -108,6 +107,16 @@ def prefill_efficiency(llm, n=16, seed=0, rounds=3, passes=3) -> dict:
                           "matmul_passes_flops_per_s": tried, "prefill_over_median_pass": rate / statistics.median(tried)})
     median = sorted(per_round, key=lambda r: r["prefill_over_peak"])[(rounds - 1) // 2]
     return {**median, "rounds": per_round, "prefill_tokens": sum(map(len, prompts))}
+
+
+def bench_prefill(model: str, device, dtypes: list[str], n=16, **engine) -> dict:
+    """Prefill FLOP/s of ``n`` prompts against the matmul peak measured here, per dtype
+    (:func:`prefill_efficiency`)."""
+    out = {}
+    for d in dtypes:
+        out[d] = prefill_efficiency(LLM(model, device=device, dtype=d, **engine), n=n)
+        release()
+    return out
 
 
 def format_prefill(by_dtype: dict, target: str = "target") -> list[str]:

@@ -1,23 +1,22 @@
-"""Engine speed figures for ``python -m minikv.bench``: every ratio printed beside its two absolutes.
+"""The ``throughput`` and ``ops`` sections: engine speed, every ratio printed beside its two absolutes.
 
-Issue 2 reported minikv at **4.46x** transformers' padded ``generate``; on the same workload later
-runs gave 1.3x (quiet) and 0.85x (busy).  The 4.46 cannot be reproduced or audited: the benchmark
-of the time (``git show 79fb75b:minikv/bench.py``) printed only the ratio, from *one* timed run of
-each side, minikv first and transformers second, on a 2-core machine shared with other jobs.
-Its code computes the same ratio as today's (same prompts, same token counts: 16 x 64 on each
-side), so the gap lies in what was not recorded: the load during each half (a busy machine moved
-the ratio from 1.32 to 0.85, issue 11) and the torch/transformers versions (not pinned before
-``constraints.txt``; transformers' padded path has changed since).  So now every side is timed
-``repeats`` times, *interleaved* (minikv, reference, transformers, minikv, ...), the median is
-kept, and the report prints the tokens/s of each side and the load average before and after.
+A ratio alone cannot be audited: a figure printed from *one* timed run of each side, one after the
+other on a shared machine, carries the load of each half and the library versions of the day, and
+nobody can tell afterwards which of them moved it (docs/BENCHMARKS.md, "What the benchmark
+measures", tells of such a figure).  So every side is timed ``repeats`` times, *interleaved*
+(minikv, reference, transformers, minikv, ...), the median is kept, and the report prints the
+tokens/s of each side and the load average before and after.
 
 Figures here (all measured in the run that prints them):
 
 * throughput: generated tokens/s of minikv (``auto`` backend), of the ``reference`` backend and
   of transformers' padded ``generate`` (sdpa), per dtype, and their ratios;
-* prefill FLOP/s against the matmul peak measured here: :mod:`minikv.bench_prefill`;
 * aten ops dispatched per decode step at batch 16, per backend (``torch.profiler``); on CUDA
-  also the kernels launched.
+  also the kernels launched.  On a GPU a small model's step is launch-bound, so these counts
+  explain its time better than FLOPs do.
+
+Prefill FLOP/s against the matmul peak are :mod:`minikv.bench.prefill`'s; this module prints
+them with the rest (:func:`format_engine`).
 """
 from __future__ import annotations
 
@@ -27,11 +26,13 @@ import statistics
 
 import torch
 
-from .bench_base import completed, random_prompts, resident, sync, timed
-from .bench_prefill import format_prefill
-from .engine import SamplingParams
-from .backends.cuda_graphs import REPLAY
-from .backends.matmuls import amx_available
+from ..engine import SamplingParams
+from ..backends.cuda_graphs import REPLAY
+from ..backends.matmuls import amx_available
+from ..llm import LLM
+from ..models.hub import resolve_model
+from .base import completed, random_prompts, release, resident, sync, timed
+from .prefill import format_prefill
 
 BATCH_FOR_OPS = 16
 
@@ -40,8 +41,7 @@ def machine_info(device) -> dict:
     """What a figure was measured on: the CPU's model name and whether it has AMX (Intel's matrix
     units: bf16 matmuls run several times faster with them, so bf16 figures are not comparable
     between machines with and without), the ISA torch dispatches to, cores, torch's version, and
-    the GPU's name on CUDA.  The same benchmark gave 230 bf16 tokens/s on one 2-core machine of
-    this project (Intel, AMX) and 113 on another (AMD EPYC, AVX-512 without AMX)."""
+    the GPU's name on CUDA (docs/BENCHMARKS.md compares machines with and without AMX)."""
     model = "unknown"
     try:
         with open("/proc/cpuinfo") as f:
@@ -121,6 +121,17 @@ def throughput(llm, model_path, n=16, max_tokens=64, seed=0, repeats=2) -> dict:
             "load_before": load_before, "load_after": os.getloadavg()[0], "threads": torch.get_num_threads()}
 
 
+def bench_throughput(model: str, device, dtypes: list[str], n=16, max_tokens=64, **engine) -> dict:
+    """minikv vs transformers' padded ``generate`` in each dtype (:func:`throughput`):
+    tokens/s of minikv, of its reference backend and of transformers, and the ratios."""
+    path = resolve_model(model)
+    out = {}
+    for d in dtypes:   # one dtype's engines and transformers model are gone before the next is built
+        out[d] = throughput(LLM(model, device=device, dtype=d, **engine), path, n=n, max_tokens=max_tokens)
+        release()
+    return out
+
+
 def _is_op(name: str) -> bool:
     """A dispatched operator: ATen's, oneDNN's packed matmuls (``matmuls.PackedMatmuls``) or minikv's C++ ops (``minikv/backends/cpu_kernels.py``: attention, norms, the few-row matmul)."""
     return name.startswith(("aten::", "mkldnn::", "minikv::"))
@@ -194,8 +205,8 @@ def decode_ops(llm) -> dict:
 
 
 def target_label(report: dict) -> str:
-    """How the report names its targets: issue 11 set every one of them for the CPU (a GPU run of
-    a 135M model is launch-bound, and its prefill/peak is no CPU figure), so on a GPU they are
+    """How the report names its targets: every one of them was set for the CPU (a GPU run of a
+    135M model is launch-bound, and its prefill/peak is no CPU figure), so on a GPU they are
     printed as "CPU target", beside the figures, and not as this machine's."""
     return "target" if str(report.get("device", "cpu")).startswith("cpu") else "CPU target"
 

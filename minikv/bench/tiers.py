@@ -1,4 +1,4 @@
-"""KV-tier figures for ``python -m minikv.bench --only tiers`` (issue 39, section 4).
+"""The ``tiers`` section, ``python -m minikv.bench --only tiers``: what KV tiers below the pool cost and save.
 
 Two engine *instances* (forks of the bench's model: own pools, one operator secret) each with
 ``kv_tiers=["host", "redis://..."]``, as two ``minikv serve --kv-tier host --kv-tier redis://...``
@@ -18,7 +18,7 @@ the host tier's still run.
   timers (``TierLink.stats`` ``seal_s``/``open_s``), per 1,000-token request, and the cleartext setting's HMAC-only seal
   of the same block beside it; the open time of a Redis hit over that hit's TTFT.
 
-Targets (issue 39): a Redis hit <= 0.5x a miss at 1,000 tokens; encryption + MAC <= 10% of a Redis hit.
+Targets: a Redis hit <= 0.5x a miss at 1,000 tokens; encryption + MAC <= 10% of a Redis hit.
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ import os
 import statistics
 import time
 
-from .bench_base import completed, random_prompts, resident
-from .engine import SamplingParams
+from .base import completed, random_prompts, resident
+from ..engine import SamplingParams
 
 TARGETS = {"redis_hit_over_miss": 0.5, "seal_over_redis_hit": 0.10}
 DEFAULT_REDIS = "redis://127.0.0.1:6390/0"
@@ -98,7 +98,7 @@ def hit_rates(llm, tiers, secret, tenants=3, prefixes=2, rounds=3, tokens=256, s
 
 def _seal_micro(link, repeats=20) -> dict:
     """Seconds per block to seal with AES-GCM, to seal with the cleartext HMAC alone, and to open."""
-    from .security.sealing import Sealer, binding, tier_key
+    from ..security.sealing import Sealer, binding, tier_key
     payload = os.urandom(link.nbytes)
     bound = binding(tier_key(link.space, b"\x01" * 32), link.model, link.dtype, link.geometry, tuple(range(link.bs)))
     best = {}

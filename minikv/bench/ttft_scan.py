@@ -1,4 +1,4 @@
-"""Issue 38's TTFT scan: is a prefix hit faster than a miss, at which prompt lengths, and how sure?
+"""The TTFT scan: is a prefix hit faster than a miss, at which prompt lengths, and how sure?
 
 ``make gpu-check`` (``scripts/gpu_check.py``) runs it on the random SmolLM2-shaped model, with
 ``cache_isolation="shared"`` and prefix caching, in bf16 and fp32.  For each length ``L``, after a
@@ -9,9 +9,9 @@ engine's own (``RequestOutput.metrics.ttft_s``, as ``python -m minikv.bench`` re
 Mann-Whitney p of "hits are faster" (rank-based like the audit's KS test in
 ``minikv.audit.stats``, whose AUC it reports too: 1.0 when every hit beats every miss).
 
-Targets (issue 38, on an H200): hit/miss <= 0.8 at 256 tokens and <= 0.5 at 1,024, p < 1e-3 at
+Targets (set for an H200): hit/miss <= 0.8 at 256 tokens and <= 0.5 at 1,024, p < 1e-3 at
 every length, and a 1,024-token miss within 3x of its FLOP floor measured in the same run (the
-prefill's FLOPs, ``bench_prefill.prefill_flops``, at the best matmul pass of the model's shapes).
+prefill's FLOPs, ``minikv.bench.prefill.prefill_flops``, at the best matmul pass of the model's shapes).
 With 12 pairs, scipy's p (normal approximation past 8 per side) is 1.8e-5 when every hit beats
 every miss, so p < 1e-3 asks for a clear separation, not a perfect one.
 """
@@ -22,9 +22,9 @@ import warnings
 
 from scipy import stats as _st
 
-from .audit.stats import _as_samples, roc_auc
-from .bench_base import completed, random_prompts
-from .bench_prefill import matmul_passes, prefill_flops
+from ..audit.stats import _as_samples, roc_auc
+from .base import completed, random_prompts
+from .prefill import matmul_passes, prefill_flops
 
 LENGTHS = (256, 1024, 4096, 7000)
 PAIRS = 12
@@ -45,7 +45,7 @@ def hit_miss_stats(hits, misses) -> dict:
 
 
 def verdict(length: int, row: dict) -> tuple[bool, str]:
-    """Whether a row meets issue 38's targets for its length, and the targets it was held to."""
+    """Whether a row meets the targets for its length, and the targets it was held to."""
     want = [f"p < {P_TARGET:g}"]
     ok = row["p"] < P_TARGET
     if length in RATIO_TARGETS:
@@ -79,7 +79,7 @@ def scan_length(llm, length: int, pairs: int, seed: int) -> dict:
 
 def flop_floor_ms(model, length: int) -> float:
     """Milliseconds a prefill of ``length`` tokens would take at the best of three matmul passes
-    over the model's own shapes (``bench_prefill.matmul_passes``): its FLOP floor on this device."""
+    over the model's own shapes (``minikv.bench.prefill.matmul_passes``): its FLOP floor on this device."""
     return 1000 * prefill_flops(model, [length]) / max(matmul_passes(model, length))
 
 
@@ -143,7 +143,7 @@ def run_scan(path: str, device: str, dtypes=("bfloat16", "float32"), lengths=LEN
 
 
 def format_scan(scan: dict) -> list[str]:
-    """The scan as issue 38's table (one row per length, both dtypes) and the floor lines; each
+    """The scan as a table (one row per length, both dtypes) and the floor lines; each
     dtype's cell ends in PASS or FAIL against that length's targets."""
     dtypes = list(scan)
     head = "| L | " + " | ".join(f"{_short(d)} hit / miss (ms) | {_short(d)} hit/miss | {_short(d)} p | {_short(d)} target"

@@ -1,6 +1,6 @@
 """Lesson 10, "Can we have both?": the cost/leak picture of every cache policy, one point each.
 
-:func:`pareto_points` turns the report of :mod:`minikv.bench_sharing` (cost rows and leak rows
+:func:`pareto_points` turns the report of :mod:`minikv.bench.sharing` (cost rows and leak rows
 keyed by policy label) into one point per policy; :func:`plot_pareto` draws them.  A policy is
 better the further right (more prefill saved) and the lower (fewer secret tokens recovered) it
 sits.  A ``k_tenants`` policy gets two: one attacker account, and k-1 accounts (the Sybil limit).

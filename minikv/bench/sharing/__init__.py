@@ -14,12 +14,12 @@ Three parts, one concept each:
   ``k_tenants``), the TTFT oracle, the timing audit and prime-and-probe, the course's own attacks.
 
 This file runs them together (:func:`bench_sharing`) and prints the report (:func:`format_sharing`).
-Every name the course, the tests and ``minikv.bench`` import from ``minikv.bench_sharing`` is
+Every name the course, the tests and ``minikv.bench`` import from ``minikv.bench.sharing`` is
 re-exported here.
 """
 from __future__ import annotations
 
-from ..bench_base import hit_rate_vs_tenants
+from ..base import hit_rate_vs_tenants
 from .cost import CollectBetweenForks, DecisionsOnly, admit_only, bench_zipf
 from .leak import MAX_PROBES, SybilOracle, bench_leaks, count_oracle, timing_audit, ttft_oracle
 from .workload import MONITOR, POOL_BLOCKS, SELECTIVE, ZIPF, policies, secrets, zipf_workload
@@ -33,7 +33,7 @@ GOAL = "Zipf: selective recovers >= 70% of the tenant->shared gap; 0 tokens with
 
 def bench_sharing(llm, tiny=None) -> dict:
     """Everything above.  ``llm``: the bench's model (the 2-question table); ``tiny``: tiny-random."""
-    from ..llm import LLM
+    from ...llm import LLM
 
     tiny = tiny if tiny is not None else LLM("tiny-random", device=str(llm.engine.device))
     return {"hit_rate": hit_rate_vs_tenants(llm, extra_policies=SELECTIVE, measure=CollectBetweenForks()),

@@ -3,7 +3,7 @@
 Hit rate = cached / prompt tokens; saved = prompt tokens not prefilled.  Two tables:
 
 * the hit-rate table of ``--only isolation`` (N tenants sharing one system prompt, 2 questions
-  each; :func:`minikv.bench_base.hit_rate_vs_tenants`, on ``--model``: hit rates depend on the
+  each; :func:`minikv.bench.base.hit_rate_vs_tenants`, on ``--model``: hit rates depend on the
   tokenizer), with the selective rows added;
 * the Zipf workload (:func:`bench_zipf`; the workload itself is in ``workload.py``).
 
@@ -17,7 +17,7 @@ import gc
 import time
 from types import SimpleNamespace
 
-from ..attacks.prefix_oracle import PROBE_PARAMS
+from ...attacks.prefix_oracle import PROBE_PARAMS
 from .workload import POOL_BLOCKS, fork_caching, policies, zipf_workload
 
 
@@ -44,7 +44,7 @@ def admit_only(llm, prompt, tenant) -> tuple[int, int]:
 
 
 class CollectBetweenForks:
-    """``admit_only`` for :func:`minikv.bench_base.hit_rate_vs_tenants`, which forks one engine per row:
+    """``admit_only`` for :func:`minikv.bench.base.hit_rate_vs_tenants`, which forks one engine per row:
     an engine and its block manager's listeners form a reference cycle, and without the model's
     allocations between requests the cyclic GC rarely runs, so the forks' KV pools (1 GiB each for
     SmolLM2 by default) would pile up.  Collect whenever a new engine shows up."""

@@ -1,9 +1,9 @@
 """The leak side: the course's own attacks against every policy (tiny-random, a fresh engine each).
 
 * **count oracle** -- lesson 04's :func:`~minikv.attacks.prefix_oracle.recover_secret_by_count`
-  (against :class:`~minikv.bench_sharing.cost.DecisionsOnly`: the cached-token count without the
+  (against :class:`~minikv.bench.sharing.cost.DecisionsOnly`: the cached-token count without the
   forward pass) with the attacker's model as guesser, on the three victims of
-  :func:`~minikv.bench_sharing.workload.secrets`: ``top1`` (one probe per block when the cache
+  :func:`~minikv.bench.sharing.workload.secrets`: ``top1`` (one probe per block when the cache
   answers), ``ranked`` (up to 16 probes) and ``deep`` (the 16th probe finds it, after the
   monitor's threshold); every run stops after :data:`MAX_PROBES` probes (searching 4**16 fillings
   of a block is not an attack).  Under ``k_tenants`` the attacker also gets k-1 accounts
@@ -23,11 +23,11 @@ from __future__ import annotations
 import random
 import warnings
 
-from ..attacks.prefix_oracle import (PROBE_PARAMS, ModelRanker, recover_secret_by_count, repeats_needed,
+from ...attacks.prefix_oracle import (PROBE_PARAMS, ModelRanker, recover_secret_by_count, repeats_needed,
                                      timing_rounds)
-from ..audit.stats import audit_samples
-from ..edge.fleet import prime_and_probe
-from ..engine import UnsafeSettingWarning
+from ...audit.stats import audit_samples
+from ...edge.fleet import prime_and_probe
+from ...engine import UnsafeSettingWarning
 from .cost import DecisionsOnly
 from .workload import SELECTIVE, fork_caching, policies, random_tokens, secrets
 

@@ -21,9 +21,9 @@ from __future__ import annotations
 import random
 import warnings
 
-from ..attacks.prefix_oracle import greedy_fill, rank_candidates
-from ..audit.monitor import DetectorMonitor
-from ..engine import UnsafeSettingWarning
+from ...attacks.prefix_oracle import greedy_fill, rank_candidates
+from ...audit.monitor import DetectorMonitor
+from ...engine import UnsafeSettingWarning
 
 ZIPF = dict(seed=0, tenants=64, prompts=16, prompt_tokens=256, exponent=1.1, suffix_tokens=64, requests=1024)
 POOL_BLOCKS = 1024

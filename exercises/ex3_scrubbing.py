@@ -3,7 +3,7 @@
 # then run `make grade` (or the check cell in the lesson).  The imports below are the ones the
 # reference solution uses.  Course maintainers: edit solutions/ex3_scrubbing.py and regenerate; never
 # edit this file by hand.
-# minikv-stub: dbe5c25d4f6ca6e3
+# minikv-stub: d59b562163037802
 """Exercise 3 (lesson 08): scrubbing KV blocks, at the right moment of their life.
 
 A freed KV block keeps its previous owner's keys and values until something overwrites them,
@@ -102,6 +102,9 @@ def scrub_action(transition: Transition, seq) -> str:
       step: the second swaps its copy for the first's, which both now read).  Outputs must equal a
       cache-off engine's, and same-tenant hits must still happen (a scrubber that wipes every hit
       fails);
+    * KV tiers (``LLM(kv_tiers=[...])``): a block sealed into a tier (``offload``) leaves no plaintext copy
+      of its K/V in the pool once it is back on the free list, and a block copied back from a tier
+      (``onload``) is data a request is about to read;
     * raises ``ValueError`` for anything that is not a lifecycle transition.
 
     Think about it with ``LIFECYCLE``: which rows put a block's old bytes within a NEW reader's

@@ -118,6 +118,9 @@ def scrub_action(transition: Transition, seq) -> str:
       step: the second swaps its copy for the first's, which both now read).  Outputs must equal a
       cache-off engine's, and same-tenant hits must still happen (a scrubber that wipes every hit
       fails);
+    * KV tiers (``LLM(kv_tiers=[...])``): a block sealed into a tier (``offload``) leaves no plaintext copy
+      of its K/V in the pool once it is back on the free list, and a block copied back from a tier
+      (``onload``) is data a request is about to read;
     * raises ``ValueError`` for anything that is not a lifecycle transition.
 
     Think about it with ``LIFECYCLE``: which rows put a block's old bytes within a NEW reader's

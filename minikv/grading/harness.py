@@ -73,6 +73,12 @@ class PlacedScrubber:
     def on_isolate(self, pool, block_ids):
         self._apply("on_isolate", pool, block_ids)
 
+    def on_offload(self, pool, block_ids):
+        self._apply("on_offload", pool, block_ids)
+
+    def on_onload(self, pool, block_ids):
+        self._apply("on_onload", pool, block_ids)
+
 
 class PlannedScrubber(PlacedScrubber):
     """``PlannedScrubber(planner, zero)``: exercise 3d's plumbing.  On every lifecycle event it asks
@@ -97,12 +103,6 @@ class PlannedScrubber(PlacedScrubber):
             self.writes, self.blocks = self.writes + 1, self.blocks + len(ids)
             if self.observer is not None:
                 self.observer(ids)
-
-    def on_offload(self, pool, block_ids):
-        self._apply("on_offload", pool, block_ids)
-
-    def on_onload(self, pool, block_ids):
-        self._apply("on_onload", pool, block_ids)
 
 
 def _block_ids(got, num_blocks: int) -> list[int]:

@@ -23,7 +23,7 @@ from ..engine.sampling import SamplingParams
 from ..engine.sequence import Sequence, SequenceStatus
 from ..security.scrub import zero_blocks as ref_zero_blocks
 from ._report import CheckFailed, call_safely, expect, grader, single_thread
-from .engines import tiny_llm
+from .engines import ENGINE_SECRET, tiny_llm
 from .harness import KEEP, ZERO, PlacedScrubber
 
 NUM_BLOCKS = 16  # engine pool: two or three requests at a time, so blocks are evicted and reused constantly
@@ -186,11 +186,49 @@ def _check_adoption(scrubber, watch=None) -> None:
            "what does an adoption hand over, and to whom?  Would you zero the block of a hit?")
 
 
+#: KV tiers: a victim's 4 full blocks, then a flood that evicts them all into the host tier, then the
+#: victim again, served from the tier (``offload`` on the way out, ``onload`` on the way back)
+TIER_VICTIM, TIER_FLOOD = list(range(10, 30)), list(range(100, 144))
+
+
+@single_thread()
+def _check_tiers(action) -> None:
+    """The KV-tier transitions, run through the engine: an offloaded block leaves no plaintext in the
+    pool once it is back on the free list, and a block onloaded from the tier is kept for its hit."""
+    scrubber = PlacedScrubber(action, ref_zero_blocks)
+    llm = tiny_llm(scrubber=scrubber, num_blocks=12, enable_prefix_caching=True, kv_tiers=["host"],
+                   engine_secret=ENGINE_SECRET, max_cached_blocks_per_tenant=12)
+    eng = scrubber.attach(llm.engine) and llm.engine
+    offloaded, dirty = set(), []
+
+    def after_scrub(transition, ids, seq) -> None:
+        if transition == Transition.OFFLOAD:
+            offloaded.update(ids)
+        elif transition == Transition.EVICT:
+            dirty.extend(b for b in ids if b in offloaded and (eng.pool.k_cache[:, b].abs().sum() > 0
+                                                               or eng.pool.v_cache[:, b].abs().sum() > 0))
+    eng.block_manager.listeners.append(after_scrub)
+    first = llm.generate([TIER_VICTIM], GEN, tenant="a")[0]
+    llm.generate([TIER_FLOOD], GEN, tenant="flood")
+    if not offloaded:
+        raise RuntimeError("grader bug: the tier path offloaded nothing")
+    again = llm.generate([TIER_VICTIM], GEN, tenant="a")[0]
+    expect(not dirty, f"{len(dirty)} block(s) sealed into a KV tier (transition 'offload') went back to the free list "
+           "still holding their K/V in the pool (bug class: offloaded K/V left in the pool)",
+           "once a block's K/V live sealed in a tier, what reason is there to keep a plaintext copy in the pool?")
+    expect(eng.tiers.stats["onloaded"] > 0 and again.outputs[0].token_ids == first.outputs[0].token_ids,
+           "a prefix served from the KV tier gave other tokens than when it was computed: your scrubber zeroed "
+           "blocks ONLOADED from the tier, which the request then read (bug class: wipes K/V ONLOADED from a tier)",
+           "an onload copies verified K/V into a block so that a request can read it, like a hit: keep it.")
+
+
 def engine_stage_placement(action) -> tuple[list[int], int]:
     """Every path, then the hit workload, then an adoption, each with a ``PlacedScrubber`` following
-    ``action``; raise :class:`CheckFailed` on the first failure.  Returns (cached tokens per request,
-    engine steps) of the hit workload."""
-    return engine_stage(lambda: PlacedScrubber(action, ref_zero_blocks))
+    ``action``, then the KV-tier transitions; raise :class:`CheckFailed` on the first failure.  Returns
+    (cached tokens per request, engine steps) of the hit workload."""
+    done = engine_stage(lambda: PlacedScrubber(action, ref_zero_blocks))
+    _check_tiers(action)
+    return done
 
 
 @single_thread()

@@ -128,6 +128,21 @@ def place_wipe_hits(transition, seq):
     return "zero" if transition in (*_INTO_FREE_LIST, _T.HIT) else "keep"
 
 
+def place_wipe_onload(transition, seq):
+    """'Zero whatever enters the pool from outside': a block ONLOADED from a KV tier is wiped before the
+    request that found it in the tier reads it, so a tier hit serves zeros."""
+    _T(transition)
+    return "zero" if transition in (*_INTO_FREE_LIST, _T.ONLOAD) else "keep"
+
+
+def place_alloc_keeps_offload(transition, seq):
+    """Zero on the way OUT of the free list only (``allocate``), like a scrub-on-alloc policy, and nothing
+    else: safe for every handover, but a block sealed into a KV tier keeps its plaintext K/V in the pool
+    until someone allocates it -- a pool dump reads what the tier keeps sealed."""
+    _T(transition)
+    return "zero" if transition is _T.ALLOCATE else "keep"
+
+
 def place_wipe_adopted(transition, seq):
     """'An adopted block is a duplicate someone else computed: scrub it before the adopter reads
     it.'  That wipes the twin -- live in BOTH requests' block tables now -- instead of the copy the
@@ -203,7 +218,8 @@ MUTANTS = {
                   ("no-adopt-row", place_no_adopt_row), ("on-release", place_on_release),
                   ("keep-evicted", place_keep_evicted), ("finished-only", place_finished_only),
                   ("skip-aborted", place_skip_aborted), ("needs-a-request", place_needs_a_request),
-                  ("compares-reason", place_compares_reason)),
+                  ("compares-reason", place_compares_reason), ("wipe-onload", place_wipe_onload),
+                  ("alloc-keeps-offload", place_alloc_keeps_offload)),
     "3c": entries(("same-class", sneaky_same_class), ("correct", sneaky_but_correct),
                   ("caught-by-smoke", sneaky_values_only), ("crashes-on-empty", sneaky_crashes_on_empty)),
 }
@@ -217,6 +233,7 @@ DIAGNOSES = {
     ("3b", "no-adopt-row"): "a transition left undecided", ("3b", "on-release"): "released INTO the cache",
     ("3b", "keep-evicted"): "LRU EVICTION", ("3b", "finished-only"): "PREEMPTION",
     ("3b", "skip-aborted"): "ABORT", ("3b", "needs-a-request"): "reset_prefix_cache",
+    ("3b", "wipe-onload"): "ONLOADED from a tier", ("3b", "alloc-keeps-offload"): "offloaded K/V left in the pool",
     ("3c", "same-class"): "one mistake written twice", ("3c", "correct"): "not a mutant",
     ("3c", "caught-by-smoke"): "caught by the smoke test", ("3c", "crashes-on-empty"): "a crash",
 }

@@ -133,12 +133,13 @@ endif
 
 # Lessons 07/08 run exercises/ (the learner's) unless MINIKV_EXERCISES=solutions (nbval above).
 # DIR=submissions/: one grader process per student subfolder (its code runs sealed, one child per
-# check), JOBS at once (default: the cores), TIMEOUT seconds each, gradebook.csv/.json.
-TIMEOUT ?= 600
+# check, each check within its own budget), JOBS at once (default: the cores), gradebook.csv/.json;
+# TIMEOUT: seconds per student, a backstop (default: the checks' budgets summed, plus 120).
+TIMEOUT ?=
 JOBS ?=
 grade: model
 ifdef DIR
-	$(PY) -m minikv.grading.gradebook $(DIR) --timeout $(TIMEOUT) $(if $(JOBS),--jobs $(JOBS))
+	$(PY) -m minikv.grading.gradebook $(DIR) $(if $(TIMEOUT),--timeout $(TIMEOUT)) $(if $(JOBS),--jobs $(JOBS))
 else
 	$(PY) -m exercises.grade
 endif

@@ -13,8 +13,9 @@ cannot see, so only the sealing stops it:
 Each must score 0 on what it touched, with status ``tampering`` and a message that says so, while
 the reference solutions score full marks on the same checks in the same gradebook run.
 
-A fifth, ``cmdline``, goes round the child's tampering detector (``cat`` reads the lab server's
-``/proc/<pid>/cmdline`` for it, so no ``open`` of ``/proc`` is seen) and derives L1's secret from a
+A fifth, ``cmdline``, goes round the child's tampering detector (``ls`` and ``cat`` read the lab
+server's ``/proc/<pid>/cmdline`` for it, so no ``open`` of ``/proc`` is seen; the child's Landlock
+reads, which close ``/proc``, stop them) and would derive L1's secret from a
 ``--seed`` there, padding its probes past the side-door checks.  Graded runs pass no seed (the lab
 server draws every secret itself), so it finds none and fails like any wrong guess; against a server
 started with a seed, as the lessons start theirs, it recovers the secret, so the attack is real.
@@ -94,7 +95,8 @@ CMDLINE = _hidden("""
     from minikv.audit.oracle_client import OracleClient
     def extract_secret(card):
         a, n, seen, candidates = card["alphabet"], card["secret_len"], False, []
-        for pid in filter(str.isdigit, os.listdir("/proc")):
+        listed = subprocess.run(["ls", "/proc"], capture_output=True, text=True).stdout.split()
+        for pid in filter(str.isdigit, listed):
             argv = subprocess.run(["cat", f"/proc/{pid}/cmdline"], capture_output=True).stdout.split(b"\\0")
             if b"minikv.grading.lab_server" not in argv:
                 continue
@@ -165,7 +167,7 @@ def test_the_reference_solutions_score_full_marks_beside_them(gradebook):
 def test_the_secret_stayed_out_of_reach(gradebook):
     rows, _ = gradebook
     msg = rows["proc_mem"].messages["L1"]
-    assert "/mem" in msg or "/maps" in msg or "/cmdline" in msg, msg
+    assert "listed /proc" in msg or "/mem" in msg or "/maps" in msg or "/cmdline" in msg, msg
     assert "recovered" not in msg.split("tampering")[0]  # never graded as a recovered secret
 
 
@@ -173,9 +175,9 @@ def test_a_seed_on_the_lab_servers_command_line_would_be_the_secret_and_graded_r
     rows, table = gradebook
     msg = rows["cmdline"].messages["L1"]
     assert rows["cmdline"].results["L1"] is False and table["cmdline"]["L1"] == "0", msg
-    # it read the server's command line (cat ran in the sealed child), found no seed and guessed:
-    # graded as a wrong secret (or, on the 1-in-10**4 draw of 0000, as one probe for 3 blocks)
-    assert "recovered '0000', the secret was" in msg or "fewer than the 3 blocks" in msg, msg
+    # ls and cat ran in the sealed child, out of its detector's sight, but Landlock closes /proc to
+    # them: no server found, no seed, nothing recovered (and graded runs pass no seed anyway)
+    assert rows["cmdline"].statuses["L1"] == "failed" and "extract returned ''" in msg, msg
     # the same code against a server with a seed on its command line (how lessons start theirs)
     from minikv.grading._lab import HiddenServer
     ns = {}
@@ -246,3 +248,60 @@ def test_without_landlock_a_uid0_child_could_rewrite_the_graders_files(tmp_path)
         pytest.skip("the gap is a uid-0 child's; this grader is not root")
     seen, canary = _child_as_sealed(tmp_path, None)
     assert seen["outside"] == "wrote" and canary.startswith("overwritten"), seen
+
+
+_READER = r"""
+import json, os, subprocess, sys
+out = {}
+for name, path in json.loads(sys.argv[1]).items():
+    try:
+        with open(path, "rb") as f:
+            f.read(1)
+        out[name] = "read"
+    except OSError as exc:
+        out[name] = f"refused {exc.errno}"
+try:
+    subprocess.run(["true"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+    out["devnull"] = "wrote"
+except OSError as exc:
+    out["devnull"] = f"refused {exc.errno}"
+print(json.dumps(out))
+"""
+
+
+def test_a_sealed_child_reads_only_the_interpreter_the_given_modules_and_its_own_folder(tmp_path):
+    """Landlock's read rights (:mod:`minikv.grading._reads`): solutions/, the reference modules, the
+    graders, a neighbour's staged file and other processes' /proc entries are closed; the given
+    modules, the interpreter's libraries and the child's own folder stay open, and /dev/null
+    takes writes (a tool run with ``stderr=subprocess.DEVNULL``)."""
+    import functools
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from minikv.grading import _reads, runner, sealed_run
+    from minikv.grading._sandbox import _limits, landlock_abi
+
+    if landlock_abi() == 0:
+        pytest.skip("this kernel has no Landlock (Linux 5.13+): `minikv grade` says so in its isolation line")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "work.py").write_text("x = 1\n")
+    neighbour = tmp_path / "neighbour.py"
+    neighbour.write_text("x = 2\n")
+    minikv = _reads.MINIKV
+    paths = {"own": mine / "work.py", "solutions": SOLUTIONS / "ex1_chained_hash.py", "neighbour": neighbour,
+             "security": minikv / "security" / "hashing.py", "stats": minikv / "audit" / "stats.py",
+             "grader": minikv / "grading" / "stats.py", "proc": f"/proc/{os.getpid()}/cmdline",
+             "harness": minikv / "grading" / "harness.py", "trail": minikv / "audit" / "trail.py",
+             "stdlib": Path(json.__file__), "engine": minikv / "engine" / "sampling.py"}
+    reads = _reads.read_rules(_reads.closed_paths(sealed_run.closed_modules(runner.EXERCISES[0])))
+    p = subprocess.run([sys.executable, "-c", _READER, json.dumps({k: str(v) for k, v in paths.items()})],
+                       preexec_fn=functools.partial(_limits, str(mine), reads), capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    seen = json.loads(p.stdout)
+    opened = {k for k, v in seen.items() if v in ("read", "wrote")}
+    assert opened == {"own", "harness", "trail", "stdlib", "engine", "devnull"}, seen

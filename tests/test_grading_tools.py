@@ -278,3 +278,56 @@ def test_a_graded_child_does_not_import_the_engine_it_does_not_use(module):
                        cwd=Path(__file__).resolve().parents[1])
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.strip() == "[]", f"importing {module} also imported {p.stdout.strip()}"
+
+
+# ------------------------------------------------------------------ intake: read before anything runs
+
+def test_intake_refuses_links_fifos_and_large_files_and_flags_copies_of_the_reference(tmp_path):
+    import os
+
+    from minikv.grading.intake import MAX_FILE_BYTES, stage
+
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    (sub / "ex1_chained_hash.py").symlink_to(SOLUTIONS / "ex1_chained_hash.py")
+    os.mkfifo(sub / "ex2_tenant_keys.py")  # copying it would wait for a writer forever
+    (sub / "ex3_scrubbing.py").write_text("#" * (MAX_FILE_BYTES + 1))
+    (sub / "more").mkdir()
+    (sub / "more" / "code").symlink_to(ROOT / "solutions")  # a linked folder is never entered
+    # the reference with its comments, docstrings and layout changed: the same syntax tree
+    ref = (SOLUTIONS / "ex5_timing_stats.py").read_text()
+    (sub / "ex5_timing_stats.py").write_text(ref.replace('"""', '"""Mine. ', 1).replace("    # ", "    #  ") + "\n\n")
+    (sub / "ex4_isolation_audit.py").write_text((SOLUTIONS / "ex4_isolation_audit.py").read_text())
+    found = stage(sub, tmp_path / "pkg", generate())
+    assert set(found["refused"]) == {"ex1_chained_hash.py", "ex2_tenant_keys.py", "ex3_scrubbing.py", "more/code"}
+    assert "symbolic link" in found["refused"]["ex1_chained_hash.py"]
+    assert "FIFO" in found["refused"]["ex2_tenant_keys.py"]
+    assert f"over the {MAX_FILE_BYTES}" in found["refused"]["ex3_scrubbing.py"]
+    assert found["matches"] == {"ex4_isolation_audit.py": "identical", "ex5_timing_stats.py": "same syntax tree"}
+    # a refused file is not staged: its stub stands in
+    assert (tmp_path / "pkg" / "ex1_chained_hash.py").read_text() == generate()["ex1_chained_hash.py"]
+
+
+def test_a_different_implementation_is_not_flagged_as_the_reference():
+    from minikv.grading.intake import matches_reference
+
+    ref = (SOLUTIONS / "ex1_chained_hash.py").read_bytes()
+    assert matches_reference("ex1_chained_hash.py", ref.replace(b"struct", b"strukt")) is None
+    assert matches_reference("ex1_chained_hash.py", generate()["ex1_chained_hash.py"].encode()) is None
+
+
+@pytest.mark.parametrize("cell,shown", [("=2+3 x", "'=2+3 x"), ("+1", "'+1"), ("-1+2", "'-1+2"), ("@SUM(A1)", "'@SUM(A1)"),
+                                        ("\tx", "'\tx"), ("\rx", "'\rx"), ("ada", "ada"), (3, 3), ("", "")])
+def test_a_csv_cell_that_starts_like_a_formula_is_text(cell, shown):
+    from minikv.grading.gradebook import csv_cell
+
+    assert csv_cell(cell) == shown
+
+
+def test_a_submission_folder_that_is_a_link_is_refused_whole(tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "ex1_chained_hash.py").write_text((SOLUTIONS / "ex1_chained_hash.py").read_text())
+    (tmp_path / "linked").symlink_to(tmp_path / "real")
+    row = grade_submission(tmp_path / "linked", ids=["1a"])
+    assert row.statuses == {"1a": "refused"} and row.results == {"1a": False} and row.status == "refused"
+    assert "symbolic link" in row.messages["1a"]

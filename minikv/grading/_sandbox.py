@@ -5,9 +5,10 @@ As root, learner children run as a second user (:func:`sandbox_user`) when the i
 every capability dropped when that user is root (:func:`drop_root_powers`), and the graders, the
 lab servers and the fleet make themselves non-dumpable (:func:`make_undumpable`).
 
-Either way a Landlock ruleset (:func:`confine_writes`, Linux 5.13+) then closes the whole file
-system to the child's writes except its own temporary folder, and (Linux 6.12+) keeps its
-signals inside its own process tree.  A uid-0 child without capabilities still *owns* every
+Either way a Landlock ruleset (:func:`confine`, Linux 5.13+) then closes the whole file system to
+the child's writes except its own temporary folder and ``/dev/null``, to its reads all but the
+interpreter, its libraries, the given modules and that folder (:mod:`._reads`), and (Linux
+6.12+) keeps its signals inside its own process tree.  A uid-0 child without capabilities still *owns* every
 root-owned file, so without Landlock it could rewrite the graders' sources for the next
 submission, or kill its grader; with it, it can do neither.
 :func:`isolation` says, in one line for the grading output, which of these holds.
@@ -82,10 +83,19 @@ def sandbox_user() -> pwd.struct_passwd | None:
 
 def isolation() -> str:
     """One line for the grading output: which separation protects the grader from the learner."""
+    from . import _reads
+    from .guard import FORBIDDEN
+
     abi = landlock_abi()
-    walls = (f"; Landlock (ABI {abi}) closes every file outside its own temporary folder to its writes"
-             + (" and its signals stay inside its own processes" if abi >= 6 else "")) if abi else \
-        "; no Landlock in this kernel, so files its user owns stay writable to it"
+    leaks = _reads.leaks(_reads.closed_paths(FORBIDDEN))
+    reads = ("; to its reads, every file but the interpreter, its libraries, the given modules and its own folder "
+             "(solutions/, the graders, other submissions, every /proc/<pid> and, but for the capstone's tools, the "
+             "reference modules closed"
+             + (f", except {', '.join(leaks[:2])}, inside the interpreter's own folders" if leaks else "") + ")")
+    walls = (f"; Landlock (ABI {abi}) closes every file outside its own temporary folder to its writes" + reads
+             + ("; its signals stay inside its own processes" if abi >= 6 else "")) if abi else \
+        ("; no Landlock in this kernel, so files its user owns stay writable to it, and every file it may "
+         "read stays readable (solutions/ and the reference modules are refused only by its import system)")
     user = sandbox_user()
     if user is not None:
         return (f"sealed: learner code runs as user {user.pw_name} (uid {user.pw_uid}), apart from the graders "
@@ -111,7 +121,7 @@ def drop_root_powers() -> None:
 
 
 #: Landlock's file-system rights that change something (the kernel's ``LANDLOCK_ACCESS_FS_*`` bits,
-#: by the ABI version that introduced them): reading and executing stay open everywhere
+#: by the ABI version that introduced them)
 _WRITE_RIGHTS = {1: (1 << 1) | sum(1 << b for b in range(4, 13)),  # write, remove, make dir/file/node/link
                  2: 1 << 13,  # REFER: link or rename a file into another folder
                  3: 1 << 14}  # TRUNCATE
@@ -131,19 +141,25 @@ def landlock_abi() -> int:
     return max(abi, 0)
 
 
-def confine_writes(writable: str) -> int:
+def confine(writable: str, reads: list[tuple[str, int]] | None = None) -> int:
     """Restrict this process and its future children (Landlock, unprivileged, irreversible): no
-    write, create, remove, rename or truncate anywhere but beneath ``writable``, and from ABI 6
-    no signal to a process outside this domain (the grader, a lab server).  Returns the ABI used,
-    0 when the kernel has no Landlock (nothing restricted).  Needs ``no_new_privs`` or
-    ``CAP_SYS_ADMIN``, so it sets ``no_new_privs`` first."""
+    write, create, remove, rename or truncate anywhere but beneath ``writable`` and on
+    ``/dev/null``; with ``reads`` (``[(path, rights)]``, :func:`._reads.read_rules`) no read or
+    execute either but what those rules grant; and from ABI 6 no signal to a process outside this
+    domain (the grader, a lab server).  Returns the ABI used, 0 when the kernel has no Landlock
+    (nothing restricted).  Needs ``no_new_privs`` or ``CAP_SYS_ADMIN``, so it sets ``no_new_privs``."""
     import ctypes
+    import stat
+
+    from ._reads import FILE_RIGHTS, READ, READ_FILE, EXECUTE, TRUNCATE, WRITE_FILE
 
     abi = landlock_abi()
     if abi == 0:
         return 0
     libc = ctypes.CDLL(None, use_errno=True)
     rights = sum(bits for version, bits in _WRITE_RIGHTS.items() if version <= abi)
+    if reads is not None:
+        rights |= READ | EXECUTE
     scoped = _SCOPE_SIGNAL if abi >= 6 else 0
     # struct landlock_ruleset_attr {u64 handled_access_fs; u64 handled_access_net; u64 scoped}: pass
     # only the fields this ABI knows (the kernel rejects a size it does not)
@@ -151,15 +167,24 @@ def confine_writes(writable: str) -> int:
     ruleset = libc.syscall(444, ctypes.byref(attr), 24 if abi >= 6 else 8, 0)
     if ruleset < 0:
         raise OSError(ctypes.get_errno(), f"landlock_create_ruleset failed (ABI {abi})")
+    # /dev/null: code that silences a tool (stderr=subprocess.DEVNULL) opens it for writing
+    rules = [(writable, rights), ("/dev/null", READ_FILE | WRITE_FILE | TRUNCATE)] + list(reads or [])
     try:
-        folder = os.open(writable, os.O_PATH | os.O_DIRECTORY)
-        try:
-            # struct landlock_path_beneath_attr {u64 allowed_access; s32 parent_fd} (packed, 12 bytes)
-            rule = ctypes.create_string_buffer(rights.to_bytes(8, "little") + folder.to_bytes(4, "little", signed=True))
-            if libc.syscall(445, ruleset, 1, rule, 0) != 0:  # LANDLOCK_RULE_PATH_BENEATH
-                raise OSError(ctypes.get_errno(), f"landlock_add_rule({writable!r}) failed")
-        finally:
-            os.close(folder)
+        for path, allowed in rules:
+            try:
+                fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                continue  # a path this machine lacks grants nothing
+            try:
+                if not stat.S_ISDIR(os.fstat(fd).st_mode):
+                    allowed &= FILE_RIGHTS  # a file's rule may grant only a file's rights
+                # struct landlock_path_beneath_attr {u64 allowed_access; s32 parent_fd} (packed, 12 bytes)
+                rule = ctypes.create_string_buffer((allowed & rights).to_bytes(8, "little")
+                                                   + fd.to_bytes(4, "little", signed=True))
+                if libc.syscall(445, ruleset, 1, rule, 0) != 0:  # LANDLOCK_RULE_PATH_BENEATH
+                    raise OSError(ctypes.get_errno(), f"landlock_add_rule({path!r}) failed")
+            finally:
+                os.close(fd)
         libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
         if libc.syscall(446, ruleset, 0) != 0:  # landlock_restrict_self
             raise OSError(ctypes.get_errno(), "landlock_restrict_self failed")
@@ -168,16 +193,17 @@ def confine_writes(writable: str) -> int:
     return abi
 
 
-def _limits(writable: str | None = None) -> None:
+def _limits(writable: str | None = None, reads: list[tuple[str, int]] | None = None) -> None:
     """The sealed child's last steps before ``exec`` (``preexec_fn``): die with the grader, drop
-    root's powers, confine writes to ``writable``, cap CPU time, memory, open files, file size."""
+    root's powers, confine writes to ``writable`` (and reads to ``reads``), cap CPU time,
+    memory, open files, file size."""
     import ctypes
 
     ctypes.CDLL(None).prctl(1, 9, 0, 0, 0)  # PR_SET_PDEATHSIG, SIGKILL: it dies with its grader
     if os.geteuid() == 0:  # still root here: a second user was not possible (see isolation())
         drop_root_powers()
     if writable is not None:
-        confine_writes(writable)
+        confine(writable, reads)
     for what, value in ((resource.RLIMIT_CPU, LIMITS["cpu_s"]), (resource.RLIMIT_AS, LIMITS["memory_bytes"]),
                         (resource.RLIMIT_NOFILE, LIMITS["files"]), (resource.RLIMIT_FSIZE, LIMITS["file_bytes"])):
         resource.setrlimit(what, (value, value))
@@ -192,3 +218,89 @@ def reap(proc: subprocess.Popen, timeout: float = 60.0) -> None:
         proc.wait(timeout)
     except subprocess.TimeoutExpired:
         pass
+
+
+def become_subreaper() -> bool:
+    """``prctl(PR_SET_CHILD_SUBREAPER)``: a process orphaned anywhere below this one is re-parented
+    to it, not to PID 1.  A learner's process that leaves its session (``setsid``) and its parent
+    (a double fork) escapes a process-group kill, but not this: it stays a descendant, which
+    :func:`end_descendants` finds.  True when it took effect (Linux)."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def is_subreaper() -> bool:
+    """Whether this process is a subreaper (``PR_GET_CHILD_SUBREAPER``): the grader of a submission
+    is; a test or a lesson calling a check in its own process is not, and its other children
+    (a fixture's server) are none of the check's business."""
+    try:
+        import ctypes
+
+        flag = ctypes.c_int(0)
+        return ctypes.CDLL(None, use_errno=True).prctl(37, ctypes.byref(flag), 0, 0, 0) == 0 and flag.value == 1
+    except (OSError, AttributeError):
+        return False
+
+
+def descendants(pid: int) -> list[int]:
+    """Every living process below ``pid`` (from ``/proc/<pid>/stat``; zombies excluded)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                state, ppid = f.read().rsplit(b")", 1)[1].split()[:2]  # the name may hold ") "
+        except (OSError, ValueError, IndexError):
+            continue  # it ended while we looked
+        if state != b"Z":
+            children.setdefault(int(ppid), []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def end_descendants(pid: int | None = None, rounds: int = 100) -> int:
+    """SIGKILL every process below ``pid`` (default: this one) until none is left, and reap those
+    that were re-parented to this process (:func:`become_subreaper`).  A process killed while it
+    forks may leave a new child, so it sweeps again until a sweep finds nothing.  Returns how
+    many it killed."""
+    pid = os.getpid() if pid is None else pid
+    killed: set[int] = set()
+    for _ in range(rounds):
+        found = descendants(pid)
+        if not found:
+            break
+        for p in found:
+            try:
+                os.kill(p, 9)
+                killed.add(p)
+            except ProcessLookupError:
+                pass
+    _reap_orphans(killed)
+    return len(killed)
+
+
+def _reap_orphans(pids: set[int], timeout: float = 5.0) -> None:
+    """Reap the killed processes that are this process's children (a subreaper's orphans),
+    waiting at most ``timeout`` for them to die; the others are their own parents' to reap."""
+    import time
+
+    left, deadline = set(pids), time.monotonic() + timeout
+    while left and time.monotonic() < deadline:
+        for p in list(left):
+            try:
+                if os.waitpid(p, os.WNOHANG)[0] == 0:
+                    continue  # still dying
+            except ChildProcessError:
+                pass
+            left.discard(p)
+        if left:
+            time.sleep(0.01)

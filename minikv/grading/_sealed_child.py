@@ -27,7 +27,7 @@ _PROC = re.compile(r"^/proc/(\d+)(/|$)")
 _ALLOWED_GRADING = ("minikv.grading", "minikv.grading.harness")
 
 
-def _watch(notes: list, home: str):
+def _watch(notes: list, home: str, reads, cfg: dict):
     own = str(os.getpid())
 
     def hook(event, args):
@@ -37,12 +37,18 @@ def _watch(notes: list, home: str):
                 m = _PROC.match(path)
                 if m and m.group(1) != own:
                     notes.append(f"opened {path}, another process's memory or files")
+                elif _private(path, reads, cfg):
+                    notes.append(f"opened {path}, which a check may not read (the reference answers, the graders, "
+                                 "or another submission's files)")
                 mode, flags = (args[1] if len(args) > 1 else None), (args[2] if len(args) > 2 else 0)
                 writes = (isinstance(mode, str) and any(c in mode for c in "wax+")) or \
                          (isinstance(flags, int) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
                 full = os.path.realpath(path)
                 if writes and not (full.startswith(home) or full.startswith("/dev/")):
                     notes.append(f"opened {path} for writing, outside its own folder")
+            elif event in ("os.listdir", "os.scandir") and args and isinstance(args[0], (str, bytes)) \
+                    and os.path.realpath(os.fsdecode(args[0])) == "/proc":
+                notes.append("listed /proc, every process of the machine")
             elif event in ("os.kill", "os.killpg") and args and args[0] not in (0, os.getpid()):
                 notes.append(f"sent signal {args[1] if len(args) > 1 else '?'} to process {args[0]}")
             elif event == "import" and args and isinstance(args[0], str) and args[0].startswith("minikv.grading.") \
@@ -54,7 +60,40 @@ def _watch(notes: list, home: str):
     sys.addaudithook(hook)
 
 
-def main(wire, cfg: dict) -> None:
+def _private(path: str, reads, cfg: dict) -> bool:
+    """Whether ``path`` is one a check may not read: a closed module or ``solutions/``, or a file
+    of the repository or of the temporary folder outside the child's own folder and the libraries."""
+    full = os.path.realpath(path)
+    if reads.is_closed(full, cfg["closed"]):
+        return True
+    inside = lambda roots: any(full == r or full.startswith(r + os.sep) for r in roots)  # noqa: E731
+    return inside(cfg["private"]) and not inside(cfg["own"])
+
+
+class _ClosedModules:
+    """A finder placed first on ``sys.meta_path``: a module whose file is closed to this check is
+    refused whatever name reaches it (``minikv.audit.detect`` re-exports ``minikv.audit.detector``;
+    ``minikv.engine.engine`` imports ``minikv.security``) and the attempt becomes a note.  The file
+    is unreadable anyway where Landlock closes it; this says which module, and why."""
+
+    def __init__(self, notes: list, reads, closed: list):
+        self.notes, self.reads, self.closed = notes, reads, closed
+
+    def find_spec(self, name, path=None, target=None):
+        if not name.startswith(("minikv.", "solutions")) or not self.closed:
+            return None
+        import importlib.machinery
+
+        spec = importlib.machinery.PathFinder.find_spec(name, path)
+        if spec is not None and spec.origin and self.reads.is_closed(spec.origin, self.closed):
+            self.notes.append(f"imported {name}, a module closed to this check (the reference it is graded "
+                              "against, or the graders)")
+            raise ImportError(f"{name} is closed to a graded check: the grade must measure your code, "
+                              "not the engine's reference")
+        return None
+
+
+def main(wire, reads, cfg: dict) -> None:
     sys.path[:0] = cfg["path"]
     sys.dont_write_bytecode = True
     home = os.path.realpath(cfg["home"])
@@ -64,7 +103,8 @@ def main(wire, cfg: dict) -> None:
     grading.__path__ = [os.path.join(cfg["minikv"], "grading")]
     sys.modules["minikv.grading"] = grading
     notes: list = []
-    _watch(notes, home)
+    sys.meta_path.insert(0, _ClosedModules(notes, reads, cfg["closed"]))
+    _watch(notes, home, reads, cfg)
     rf = os.fdopen(cfg["rfd"], "rb")
     wf = os.fdopen(cfg["wfd"], "wb", buffering=0)
     objects: dict = {}  # handle -> an object this process owns (a learner's instance, function ...)

@@ -1,8 +1,9 @@
 """The reference-import gate: an exercise file may not import the engine's own answers.
 
 minikv ships the reference implementations of what the exercises ask for -- the hashers, keys and
-scrubbers of ``minikv.security``, the oracle attack of ``minikv.attacks.prefix_oracle`` and the
-probing detector of ``minikv.audit.detector``.  A file that imports them would be graded on the
+scrubbers of ``minikv.security``, the oracle attack of ``minikv.attacks.prefix_oracle``, the
+probing detector of ``minikv.audit.detector``, the statistics of ``minikv.audit.stats`` and the
+isolation audit of ``minikv.audit.isolation``.  A file that imports them would be graded on the
 engine's work, not the learner's, so :func:`forbidden_imports` reads the file's syntax tree (it
 never runs it) and :func:`check_file` turns every hit into a message that says why.
 
@@ -14,6 +15,11 @@ except the given :mod:`.harness`), they may not import the process/introspection
 ``setattr`` ... and dunder attributes such as ``__globals__``), or assign to an attribute of an
 imported module (``minikv.engine.engine.X = ...``: a monkeypatch).  None of the exercises needs
 any of these.
+
+This gate reads names, so a re-export (``from minikv.audit import ks_test``) or an attribute of a
+module that imports the reference (``minikv.engine.engine`` loads ``minikv.security``) gets past
+it; a graded submission's child refuses those modules by their *file*, whatever name reaches
+them (:mod:`._reads`, :mod:`._sealed_child`).
 
 Caught: ``import minikv.security``, ``from minikv.security.scrub import ...``, ``from minikv import
 security``, ``from minikv.attacks import prefix_oracle``, and the same names written as strings
@@ -30,6 +36,8 @@ FORBIDDEN: dict[str, str] = {
     "minikv.security": "minikv.security holds the reference hashers, tenant keys and scrubbers",
     "minikv.attacks.prefix_oracle": "minikv.attacks.prefix_oracle is the reference oracle attack",
     "minikv.audit.detector": "minikv.audit.detector is the reference probing detector",
+    "minikv.audit.stats": "minikv.audit.stats is the reference KS test and ROC AUC",
+    "minikv.audit.isolation": "minikv.audit.isolation is the reference isolation audit",
 }
 #: also forbidden in graded submissions: code that could reach into the graders
 GRADER_MODULES: dict[str, str] = {"minikv.grading": "tampering: minikv.grading holds the graders themselves"}

@@ -98,8 +98,11 @@ def draw_secret(rng: np.random.Generator, alphabet: str = ALPHABET, n: int = SEC
     return "".join(alphabet[i] for i in rng.integers(0, len(alphabet), n))
 
 
-def build_app(mode: str, clock: str, seed: int):
-    """(app, card, answer) for one lab; the victim's request has already run."""
+def build_app(mode: str, clock: str, seed: int, api_key: str = ATTACKER_KEY):
+    """(app, card, answer) for one lab; the victim's request has already run.  Only requests
+    with ``api_key`` are served and counted: a graded server draws its own key (:func:`main`),
+    so another submission's code, which can find the port, can neither probe it nor add to
+    the count its grade reads."""
     from ..engine.config import UnsafeSettingWarning
     from ..llm import LLM
     from ..engine.sampling import SamplingParams
@@ -114,7 +117,7 @@ def build_app(mode: str, clock: str, seed: int):
                   seed=0)
     llm.generate([PREFIX + secret + SUFFIX], SamplingParams(max_tokens=1, temperature=0.0), tenant="victim")
     limits = ServeLimits(requests_per_s=None, max_concurrent=None, max_queued=None)
-    app = create_app(llm, {ATTACKER_KEY: "mallory"}, model_name="tiny", report_cached_tokens=True, limits=limits)
+    app = create_app(llm, {api_key: "mallory"}, model_name="tiny", report_cached_tokens=True, limits=limits)
     vclock = VirtualClock(seed=seed + 1)
     victim = PREFIX + secret + SUFFIX
     tested: dict = {}  # candidate block -> the first probe that tested it
@@ -139,8 +142,8 @@ def build_app(mode: str, clock: str, seed: int):
             except (ValueError, AttributeError):
                 pass
         response = await call_next(request)
-        if not request.url.path.endswith("/completions"):
-            return response
+        if not request.url.path.endswith("/completions") or response.status_code == 401:
+            return response  # a request without this lab's key is no probe of this attacker's
         state["requests"] += 1
         body = b"".join([chunk async for chunk in response.body_iterator])
         if response.status_code == 200:
@@ -160,7 +163,7 @@ def build_app(mode: str, clock: str, seed: int):
         headers = {k: v for k, v in response.headers.items() if k.lower() != "content-length"}
         return Response(body, status_code=response.status_code, headers=headers)
 
-    card = dict(mode=mode, clock=clock, api_key=ATTACKER_KEY, model="tiny", prefix=PREFIX, suffix=SUFFIX,
+    card = dict(mode=mode, clock=clock, api_key=api_key, model="tiny", prefix=PREFIX, suffix=SUFFIX,
                 secret_len=SECRET_LEN, alphabet=ALPHABET, block_size=BLOCK_SIZE, quota_blocks=QUOTA)
     if mode == "ttft" and clock == "virtual":
         card["virtual_clock"] = {k: v for k, v in asdict(vclock).items() if k != "seed"}
@@ -194,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
 
     for i in range(args.rounds):
         seed = args.seed + i if args.seed is not None else int.from_bytes(os.urandom(8), "big")
-        app, card, answer = build_app(args.mode, args.clock, seed)
+        key = ATTACKER_KEY if args.seed is not None else f"sk-lab-{os.urandom(16).hex()}"  # graded: its own
+        app, card, answer = build_app(args.mode, args.clock, seed, key)
         with BackgroundServer(app) as srv:
             print(json.dumps({**card, "base_url": srv.base_url, "round": i + 1, "rounds": args.rounds}), flush=True)
             done = sys.stdin.readline().strip() != "next"  # stdin closed (or anything but "next"): the last round

@@ -123,7 +123,9 @@ def grade_one_status(ex: Exercise, package: str, quiet: bool = False, strict: bo
             ok = False
             status = "tampering" if any("tampering" in r for r in refused) else "refused"
         elif strict:
-            ok, status = sealed_check(ex, package)
+            from .sealed_run import sealed_check
+
+            ok, status = sealed_check(ex, package_dir(package), package)
         else:
             ok = _run_check(ex, package)
             status = "passed" if ok else "failed"
@@ -150,26 +152,6 @@ def stub_source(module: str) -> str | None:
     return generate().get(f"{module}.py")
 
 
-def sealed_check(ex: Exercise, package: str) -> tuple[bool, str]:
-    """Run ``ex``'s grader with the learner's code in a sealed child; (passed, status)."""
-    from .sealed import SealedChild
-
-    child = SealedChild(package_dir(package), package)
-    try:
-        target = child.function(ex.module, ex.name)
-        kwargs = {k: child.function(ex.module, k) for k in ex.extra}
-        ok = ex.check(target, **kwargs)
-    finally:
-        notes = child.close()
-    if notes:
-        print(f"❌ {ex.check.__name__}: tampering detected, scored 0 -- the submission's process "
-              + "; ".join(dict.fromkeys(notes)))
-        return False, "tampering"
-    if child.timed_out:
-        return False, "timeout"
-    return ok, "passed" if ok else "failed"
-
-
 def _run_check(ex: Exercise, package: str) -> bool:
     try:
         target = ex.target(package)
@@ -183,12 +165,18 @@ def _run_check(ex: Exercise, package: str) -> bool:
 
 def grade(package: str = "exercises", ids: list[str] | None = None, quiet: bool = False,
           messages: dict[str, str] | None = None, strict: bool = False,
-          statuses: dict[str, str] | None = None) -> dict[str, bool]:
+          statuses: dict[str, str] | None = None, seconds: dict[str, float] | None = None) -> dict[str, bool]:
     """Grade ``package``; returns ``{exercise id: passed}`` and (unless quiet) prints a table.
-    ``messages``, if given, receives each grader's printed verdict; ``statuses`` each status."""
+    ``messages``, if given, receives each grader's printed verdict; ``statuses`` each status,
+    ``seconds`` the seconds each check took."""
+    import time
+
     results: dict[str, bool] = {}
     for ex in select(ids):
+        t0 = time.perf_counter()
         results[ex.id], text, status = grade_one_status(ex, package, quiet, strict)
+        if seconds is not None:
+            seconds[ex.id] = round(time.perf_counter() - t0, 1)
         if messages is not None:
             messages[ex.id] = text.strip()
         if statuses is not None:
@@ -244,14 +232,18 @@ def main(package: str = "exercises", argv: list[str] | None = None, json_path: s
     warnings.filterwarnings("ignore", category=UserWarning, module="minikv")
     print(f"grading {package}/ ...\n")
     if strict:
+        from ._sandbox import become_subreaper
         from .sealed import isolation, make_undumpable
 
         make_undumpable()
+        become_subreaper()  # an escaped learner process is re-parented here, and ended with its check
         print(isolation() + "\n")
     before = fingerprint() if strict else {}
     messages: dict[str, str] = {}
     statuses: dict[str, str] = {}
-    results = grade(package, list(argv or []) or None, messages=messages, strict=strict, statuses=statuses)
+    seconds: dict[str, float] = {}
+    results = grade(package, list(argv or []) or None, messages=messages, strict=strict, statuses=statuses,
+                    seconds=seconds)
     error = ""
     if strict:
         after = fingerprint()
@@ -262,7 +254,8 @@ def main(package: str = "exercises", argv: list[str] | None = None, json_path: s
             statuses = {k: "tampering" for k in results}
             print(f"❌ {error}")
     if json_path:
-        payload = {"results": results, "messages": messages, "statuses": statuses, "error": error}
+        payload = {"results": results, "messages": messages, "statuses": statuses, "seconds": seconds,
+                   "error": error}
         if sign_key:
             payload["sig"] = sign(payload, sign_key)
         text = json.dumps(payload, ensure_ascii=False)

@@ -6,10 +6,13 @@
 * a fresh interpreter (``python -I -B``: no ``PYTHON*`` variables, no user site, no bytecode),
   its environment empty but for ``PATH``, ``HOME``, ``TMPDIR`` and ``PYTHONPATH`` (for the
   tools a lab runs, such as ``python -m minikv audit``), its working folder a new temporary one
-  holding a copy of the submission and a link to the ``minikv`` package (not the repository:
-  ``solutions/`` is not on its path);
+  holding a copy of the submission and a link to the ``minikv`` package;
+* reads limited to the interpreter, its libraries, the given modules and that folder, and writes
+  to that folder (:mod:`._reads`, :func:`._sandbox.confine`): ``solutions/``, the reference
+  modules of the check, the graders and other submissions are closed, and its import system
+  refuses a closed module by its file, whichever name reaches it;
 * limits on CPU seconds, address space, open files and file size (``resource``), a wall-clock
-  timeout on every call, and its own session, so a timeout kills all it started;
+  timeout on every call and a budget for the whole check (``budget``), and its own session;
 * as a second Unix user (:func:`sandbox_user`) when the grader runs as root: then it cannot read
   the grader's or a lab server's memory, files or ``/proc`` entries.  Without root there is no
   second user; the grader, the lab servers and the fleet then make themselves non-dumpable
@@ -39,7 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from . import _wire
+from . import _reads, _wire
 from ._sandbox import LIMITS, _limits, isolation, make_undumpable, reap, sandbox_user  # noqa: F401 -- re-exported
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,10 +78,17 @@ class ChildProxy:
 
 
 class SealedChild:
-    """One sealed child holding ``package`` (the folder ``package_dir``) for one check."""
+    """One sealed child holding ``package`` (the folder ``package_dir``) for one check.
 
-    def __init__(self, package_dir: Path, package: str, call_timeout: float = 120.0):
-        self.package, self.call_timeout = package, call_timeout
+    ``closed``: module names the check may neither import nor read (:func:`._reads.closed_paths`
+    adds the graders and ``solutions/``); None leaves reads open (writes are always confined).
+    ``budget``: seconds the whole check may spend in the learner's code, every call together;
+    past it a call raises :class:`SealedTimeout` at once, so a check that hangs costs itself only."""
+
+    def __init__(self, package_dir: Path, package: str, call_timeout: float = 120.0,
+                 closed: list[str] | None = None, budget: float | None = None):
+        self.package, self.call_timeout, self.budget = package, call_timeout, budget
+        self.deadline = time.monotonic() + budget if budget is not None else float("inf")
         self.notes: list[str] = []
         self.timed_out = False
         self._objects: dict[int, object] = {}
@@ -95,26 +105,34 @@ class SealedChild:
                 os.lchown(p, user.pw_uid, user.pw_gid)
         to_child, self._w = os.pipe()
         self._r, from_child = os.pipe()
+        shut = _reads.closed_paths(closed) if closed is not None else []
         cfg = {"path": [str(pkg), str(lib)], "home": str(home), "pkg": str(pkg), "package": package,
-               "minikv": str(lib / "minikv"), "rfd": to_child, "wfd": from_child}
-        boot = ("import types\n"
-                f"wire = types.ModuleType('sealed_wire'); exec(compile({(HERE / '_wire.py').read_text()!r}, "
-                "'_wire.py', 'exec'), wire.__dict__)\n"
-                f"child = types.ModuleType('sealed_child'); exec(compile({(HERE / '_sealed_child.py').read_text()!r}, "
-                "'_sealed_child.py', 'exec'), child.__dict__)\n"
-                f"child.main(wire, {cfg!r})\n")
+               "minikv": str(lib / "minikv"), "rfd": to_child, "wfd": from_child, "closed": shut,
+               "private": _private_roots() if closed is not None else [],
+               "own": [os.path.realpath(self.tmp), os.path.realpath(ROOT / "minikv"),
+                       *_reads.interpreter_roots()]}
+        reads = _reads.read_rules(shut) if closed is not None else None
+        boot = "import types\n" + "".join(
+            f"{var} = types.ModuleType({var!r}); {var}.__file__ = {str(HERE / file)!r}; "
+            f"exec(compile({(HERE / file).read_text()!r}, {file!r}, 'exec'), {var}.__dict__)\n"
+            for var, file in (("wire", "_wire.py"), ("reads", "_reads.py"), ("child", "_sealed_child.py"))
+        ) + f"child.main(wire, reads, {cfg!r})\n"
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(home), "TMPDIR": str(home), "LANG": "C.UTF-8",
                "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{lib}{os.pathsep}{pkg}", "PYTHONDONTWRITEBYTECODE": "1"}
         self._log = open(self.tmp / "output.log", "wb")
         extra = {"user": user.pw_uid, "group": user.pw_gid, "extra_groups": []} if user is not None else {}
         self.proc = subprocess.Popen([sys.executable, "-I", "-B", "-c", boot], cwd=home, env=env,
                                      stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log,
-                                     pass_fds=(to_child, from_child), preexec_fn=functools.partial(_limits, str(self.tmp)),
+                                     pass_fds=(to_child, from_child), preexec_fn=functools.partial(_limits, str(self.tmp), reads),
                                      start_new_session=True,
                                      **extra)
         os.close(to_child)
         os.close(from_child)
-        self._read(time.monotonic() + 120.0)  # "ready"
+        try:
+            self._read(min(time.monotonic() + 120.0, self.deadline))  # "ready"
+        except BaseException:
+            self.close()  # its folder goes with it: nothing of a failed start stays behind
+            raise
 
     # ------------------------------------------------------------------ the pipe
     def _read(self, deadline: float) -> dict:
@@ -123,6 +141,8 @@ class SealedChild:
             if left <= 0 or not select.select([self._r], [], [], left)[0]:
                 self.timed_out = True
                 self.kill()
+                if deadline >= self.deadline:
+                    raise SealedTimeout(f"this check ran past its limit of {self.budget:.0f} s in your code")
                 raise SealedTimeout(f"your code ran longer than {self.call_timeout:.0f} s")
             chunk = os.read(self._r, 1 << 20)
             if not chunk:
@@ -179,8 +199,12 @@ class SealedChild:
         if args is not None:
             msg["args"] = [self._arg(a) for a in args]
             msg["kwargs"] = self._enc(kwargs or {})
+        if self.timed_out:  # killed already: a grader that retries after a timeout gets one at once
+            raise SealedTimeout(f"this check ran past its limit of {self.budget:.0f} s in your code"
+                                if self.budget is not None and time.monotonic() >= self.deadline
+                                else f"your code ran longer than {self.call_timeout:.0f} s")
         self._send(msg)
-        deadline = time.monotonic() + self.call_timeout
+        deadline = min(time.monotonic() + self.call_timeout, self.deadline)
         while True:
             reply = self._read(deadline)
             op = reply["op"]
@@ -251,6 +275,14 @@ class SealedChild:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _private_roots() -> list[str]:
+    """Folders whose files a check's child may not open (its own folder and the libraries aside,
+    :mod:`._sealed_child` says so as tampering): the repository, the temporary folders where
+    every grader stages its submission, and the folder of submissions being graded."""
+    roots = [ROOT, "/tmp", "/var/tmp", tempfile.gettempdir(), os.environ.get("MINIKV_SUBMISSIONS", "")]
+    return sorted({os.path.realpath(r) for r in roots if r})
 
 
 def _known() -> dict:

@@ -166,3 +166,14 @@ def test_lesson_00_maps_every_lesson():
     linked = re.findall(r"\]\((\d\d_[\w-]+\.ipynb)\)", maps[0])
     assert linked == [p.name for p in LESSONS], f"the map links {linked}"
     assert not unrendered_tables(maps[0])
+
+
+def test_lesson_12_shows_how_to_practise_on_a_graded_fleet():
+    """The capstone's graded fleet holds every kind, the demo fleets do not: lesson 12 says so and gives
+    the command that starts a graded-style fleet to practise on."""
+    nb = nbformat.read(ROOT / "course" / "12_capstone_mystery_fleet.ipynb", as_version=4)
+    md = "\n".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    assert "python -m minikv.grading.mystery_fleet --graded" in md
+    assert re.search(r"graded fleet[^.]*\bevery\b\**\s+kind", md), "lesson 12 says a graded fleet holds every kind"
+    source = (ROOT / "minikv" / "grading" / "mystery_fleet.py").read_text(encoding="utf-8")
+    assert '"--graded"' in source and '"--seed"' in source       # the options the command uses exist

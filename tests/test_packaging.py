@@ -275,7 +275,7 @@ def test_every_data_file_of_the_package_is_declared():
     for path in (ROOT / "minikv").rglob("*"):
         if path.is_file() and path.suffix not in (".py", ".pyc") and "__pycache__" not in path.parts:
             # setuptools reads a pattern relative to the package that declares it, so a file in a
-            # plain folder (engine/kernels/) is declared by the package above it ("kernels/*.cpp")
+            # plain folder (backends/kernels/) is declared by the package above it ("kernels/*.cpp")
             rel = path.relative_to(ROOT)
             owners = [(".".join(rel.parts[:i]), Path(*rel.parts[i:])) for i in range(1, len(rel.parts))]
             assert any(fnmatch.fnmatch(str(sub), p) for pkg, sub in owners for p in declared.get(pkg, [])), \

@@ -1,4 +1,4 @@
-"""minikv's C++ paged decode-attention kernel (``minikv/engine/kernels/paged_attention.cpp``).
+"""minikv's C++ paged decode-attention kernel (``minikv/backends/kernels/paged_attention.cpp``).
 
 The kernel follows raw pointers through block tables, so these tests hold it to three things:
 

@@ -1,4 +1,4 @@
-"""minikv's row-wise C++ kernels (``minikv/engine/kernels/pointwise.cpp``): RMSNorm, SwiGLU, RoPE.
+"""minikv's row-wise C++ kernels (``minikv/backends/kernels/pointwise.cpp``): RMSNorm, SwiGLU, RoPE.
 
 What they are held to:
 

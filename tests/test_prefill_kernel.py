@@ -1,4 +1,4 @@
-"""minikv's C++ causal prefill kernel (``minikv/engine/kernels/prefill_attention.cpp``).
+"""minikv's C++ causal prefill kernel (``minikv/backends/kernels/prefill_attention.cpp``).
 
 The kernel runs every fresh prefill of a step in one call, writing each sequence's rows of a
 shared output through raw pointers.  These tests hold it to:

@@ -1,4 +1,4 @@
-"""minikv's few-row matmul (``minikv/engine/kernels/skinny_linear.cpp``) and where the engine uses it.
+"""minikv's few-row matmul (``minikv/backends/kernels/skinny_linear.cpp``) and where the engine uses it.
 
 What it is held to:
 

@@ -8,7 +8,7 @@ decode step for SmolLM2 at batch 16, each one a Python call and, on a GPU, a ker
 This path computes the same thing (``tests/test_attention_fused.py`` holds it to 1e-4 of the
 largest logit in fp32, greedy tokens identical) with three changes:
 
-* **A plan per step, not per layer.**  :func:`~minikv.engine.fused_plan.build_plan` turns the
+* **A plan per step, not per layer.**  :func:`~minikv.backends.fused_plan.build_plan` turns the
   batch into tensors once (``fused_plan.py``): the slot of every new token, the groups of
   sequences with their block tables and masks, the RoPE tables, and the buffers the layers
   write into.  Every layer reuses them.

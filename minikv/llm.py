@@ -44,6 +44,7 @@ def open_trail(config: EngineConfig, operator_key: bytes) -> AuditTrail | None:
 # Weights already in memory, by (checkpoint files, dtype, device).  Weak: a model is dropped when
 # its last engine is, so the cache never keeps anything alive by itself.
 _LOADED: "weakref.WeakValueDictionary[tuple, object]" = weakref.WeakValueDictionary()
+_LOADED_WITH: "weakref.WeakKeyDictionary[object, tuple]" = weakref.WeakKeyDictionary()  # model -> (tokenizer, hf_config)
 
 
 def _checkpoint_key(path, dtype, device) -> tuple:
@@ -64,9 +65,9 @@ def shared_weights(path, dtype, device) -> tuple:
     key = _checkpoint_key(path, dtype, device)
     model = _LOADED.get(key)
     if model is not None:
-        return model, *model._loaded_with
+        return model, *_LOADED_WITH[model]
     model, tokenizer, hf_config = load_model(path, dtype, device)
-    model._loaded_with = (tokenizer, hf_config)
+    _LOADED_WITH[model] = (tokenizer, hf_config)
     _LOADED[key] = model
     return model, tokenizer, hf_config
 
@@ -74,7 +75,7 @@ def shared_weights(path, dtype, device) -> tuple:
 def clear_weights_cache() -> None:
     """Forget which weights are loaded: the next engine built by name loads its own copy (live
     engines keep theirs).  For tests and comparisons that need weights no other engine has touched
-    (the fused and paged backends attach their packed copies to the model they are given)."""
+    (the fast backends keep packed copies per model object: ``minikv.backends.model_state``)."""
     _LOADED.clear()
 
 

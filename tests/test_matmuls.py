@@ -17,6 +17,7 @@ import torch
 from minikv import LLM, SamplingParams
 from minikv.backends import matmuls
 from minikv.backends.matmuls import DenseMatmuls, PackedMatmuls, matmuls_for
+from minikv.backends.model_state import prepared
 from tests.engine_helpers import assert_traces_close
 
 needs_packing = pytest.mark.skipif(not matmuls._packing_available(), reason="this torch has no oneDNN packing ops")
@@ -32,7 +33,7 @@ def _run(dtype: str, packed: bool, monkeypatch):
         if not packed:
             m.setattr(matmuls, "_packing_available", lambda *dtype: False)
         llm = LLM("tiny-random", device="cpu", dtype=dtype, attention_backend="fused", num_blocks=64)
-        llm.engine.model._packed = llm.engine.model._packed_head = None  # each run packs (or not) anew
+        prepared(llm.engine.model).packed = prepared(llm.engine.model).packed_head = None  # each run packs (or not) anew
         rng = random.Random(5)
         prompts = [[rng.randrange(3, 259) for _ in range(n)] for n in (7, 30, 61)]
         llm.engine.logit_trace = []
@@ -60,7 +61,7 @@ def test_which_steps_pack():
     if not BF16_PACKS:  # an AVX2-only CPU: oneDNN has no bf16 kernels, so bf16 stays dense
         for exact in (True, False):
             assert isinstance(matmuls_for(bf16, exact=exact), DenseMatmuls)
-        assert getattr(bf16, "_packed", None) is None and getattr(bf16, "_packed_head", None) is None
+        assert prepared(bf16).packed is None and prepared(bf16).packed_head is None
         return
     assert isinstance(matmuls_for(bf16, exact=True), PackedMatmuls)  # bf16: always
     packed = matmuls_for(bf16, exact=True).packed
@@ -76,7 +77,7 @@ def test_bf16_packs_only_where_onednn_has_bf16_kernels(monkeypatch, fresh_weight
     assert matmuls._packing_available(torch.float32) == matmuls._packing_available()
     for exact in (True, False):
         assert isinstance(matmuls_for(bf16, exact=exact), DenseMatmuls)
-    assert getattr(bf16, "_packed", None) is None and getattr(bf16, "_packed_head", None) is None
+    assert prepared(bf16).packed is None and prepared(bf16).packed_head is None
 
 
 def test_without_the_ops_every_step_is_dense(monkeypatch):
@@ -107,12 +108,12 @@ def test_the_engine_packs_when_built_not_mid_request(fresh_weights):
     ones while packing waited for it.  Requests reuse those packs; the reference backend packs nothing."""
     llm = LLM("tiny-random", device="cpu", dtype="float32", attention_backend="fused")
     model = llm.engine.model
-    packed, head = model._packed, model._packed_head
+    packed, head = prepared(model).packed, prepared(model).packed_head
     assert packed is not None and len(packed) == model.shape.num_layers and head is not None
     llm.generate([[5, 6, 7, 8, 9]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
-    assert model._packed is packed and model._packed_head is head
-    assert llm.fork().engine.model._packed is packed  # a fork shares the weights and their packs
-    assert LLM("tiny-random", device="cpu", dtype="float32").engine.model._packed is packed  # so does a twin
+    assert prepared(model).packed is packed and prepared(model).packed_head is head
+    assert prepared(llm.fork().engine.model).packed is packed  # a fork shares the weights and their packs
+    assert prepared(LLM("tiny-random", device="cpu", dtype="float32").engine.model).packed is packed  # so does a twin
     fresh_weights()  # the reference engine below gets weights no fused engine has packed
     ref = LLM("tiny-random", device="cpu", dtype="float32", attention_backend="reference").engine.model
-    assert getattr(ref, "_packed", None) is None
+    assert prepared(ref).packed is None

@@ -28,8 +28,9 @@ import torch
 from torch.profiler import profile
 
 from minikv import LLM, SamplingParams
-from minikv.backends import matmuls, cpu_kernels
+from minikv.backends import cpu_kernels, matmuls
 from minikv.backends.matmuls import SKINNY_BF16_MAX_ROWS_AMX, SKINNY_MAX_ROWS, DenseMatmuls, PackedMatmuls, SkinnyMatmuls, matmuls_for
+from minikv.backends.model_state import prepared
 from tests.paged_kernel import KERNEL_BUILT
 
 SKINNY = KERNEL_BUILT and cpu_kernels.skinny_supported()
@@ -223,7 +224,7 @@ def test_which_steps_it_serves(fresh_weights):
     fp32 = LLM("tiny-random", dtype="float32", attention_backend="cpu_kernels").engine.model
     bf16 = LLM("tiny-random", dtype="bfloat16", attention_backend="cpu_kernels").engine.model
     # built with the engine, and no second (oneDNN) copy of the fp32 weights
-    assert fp32._skinny is not None and fp32._skinny_head is not None and getattr(fp32, "_packed", None) is None
+    assert prepared(fp32).skinny is not None and prepared(fp32).skinny_head is not None and prepared(fp32).packed is None
     assert isinstance(matmuls_for(fp32, exact=False, kernels=True, rows=1), SkinnyMatmuls)
     assert isinstance(matmuls_for(fp32, exact=False, kernels=True, rows=SKINNY_MAX_ROWS), SkinnyMatmuls)
     assert isinstance(matmuls_for(fp32, exact=False, kernels=True, rows=SKINNY_MAX_ROWS + 1), DenseMatmuls)
@@ -232,12 +233,12 @@ def test_which_steps_it_serves(fresh_weights):
     # bf16: few rows on the kernel where the CPU has AVX512-BF16, longer steps on oneDNN's packed one
     assert isinstance(matmuls_for(bf16, exact=False, kernels=True, rows=5), SkinnyMatmuls) == BF16
     if BF16:  # both copies are made when the engine is built, so no request pays for a packing
-        assert bf16._skinny is not None and bf16._skinny_head is not None
+        assert prepared(bf16).skinny is not None and prepared(bf16).skinny_head is not None
         if matmuls._packing_available(torch.bfloat16):
-            assert bf16._packed is not None and bf16._packed_head is not None
+            assert prepared(bf16).packed is not None and prepared(bf16).packed_head is not None
             assert isinstance(matmuls_for(bf16, exact=True, kernels=True, rows=5), PackedMatmuls)
             assert isinstance(matmuls_for(bf16, exact=False, kernels=True, rows=SKINNY_MAX_ROWS + 1), PackedMatmuls)
-    assert fp32._skinny is matmuls_for(fp32, exact=False, kernels=True, rows=3).layers  # packed once
+    assert prepared(fp32).skinny is matmuls_for(fp32, exact=False, kernels=True, rows=3).layers  # packed once
 
 
 @needs_bf16
@@ -267,7 +268,7 @@ def test_without_avx512_the_engine_falls_back(monkeypatch, fresh_weights):
     monkeypatch.setattr(cpu_kernels, "skinny_supported", lambda: False)
     llm = LLM("tiny-random", dtype="float32", attention_backend="cpu_kernels")
     model = llm.engine.model
-    assert getattr(model, "_skinny", None) is None
+    assert prepared(model).skinny is None
     want = PackedMatmuls if matmuls._packing_available() else DenseMatmuls
     assert isinstance(matmuls_for(model, exact=False, kernels=True, rows=4), want)
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
@@ -310,7 +311,7 @@ def test_without_avx512_bf16_bf16_steps_keep_onednn(monkeypatch, fresh_weights):
     monkeypatch.setattr(cpu_kernels, "skinny_bf16_supported", lambda: False)
     llm = LLM("tiny-random", dtype="bfloat16", attention_backend="cpu_kernels")
     model = llm.engine.model
-    assert getattr(model, "_skinny", None) is None and getattr(model, "_skinny_head", None) is None
+    assert prepared(model).skinny is None and prepared(model).skinny_head is None
     want = PackedMatmuls if matmuls._packing_available(torch.bfloat16) else DenseMatmuls
     assert isinstance(matmuls_for(model, exact=False, kernels=True, rows=4), want)
     out = llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))

@@ -34,6 +34,7 @@ import torch
 
 from ..engine.model_runner import to_device_split
 from .fused_plan import MAX_PAD_FACTOR, kv_views, rope_tables
+from .model_state import prepared
 
 
 @dataclass
@@ -98,7 +99,7 @@ def hit_plan(model, positions, slots, seqs, lists, block_size: int) -> HitPlan:
     table, qpos, *padding = lists
     # RoPE over q, k and v at once, in 2-D (v's rows of the tables: cos 1, sin 0)
     cos_table, sin_table = rope_tables(model)
-    idx = torch.where(model._rope_heads_v, s.max_position, positions.view(-1, 1))  # [T, heads]
+    idx = torch.where(prepared(model).rope_heads_v, s.max_position, positions.view(-1, 1))  # [T, heads]
     cos, sin = cos_table[idx].view(t, -1), sin_table[idx].view(t, -1)
     qkv = cos.new_empty(cos.shape)
     qkv3 = qkv.view(t, -1, dim)
@@ -125,10 +126,11 @@ def hit_plan(model, positions, slots, seqs, lists, block_size: int) -> HitPlan:
 
 def rope_perm(model) -> torch.Tensor:
     """[(q_heads + 2 * kv_heads) * D] column indices that rotate every head's halves (what
-    ``x.roll(D // 2, -1)`` does per head), for one ``index_select`` on the 2-D qkv; kept on the model."""
-    if getattr(model, "_rope_perm", None) is None:
+    ``x.roll(D // 2, -1)`` does per head), for one ``index_select`` on the 2-D qkv; made once per model."""
+    state = prepared(model)
+    if state.rope_perm is None:
         s = model.shape
         d = torch.arange(s.head_dim, device=model.device)
         heads = torch.arange(s.num_heads + 2 * s.num_kv_heads, device=model.device)[:, None]
-        model._rope_perm = (heads * s.head_dim + (d + s.head_dim // 2) % s.head_dim).view(-1)
-    return model._rope_perm
+        state.rope_perm = (heads * s.head_dim + (d + s.head_dim // 2) % s.head_dim).view(-1)
+    return state.rope_perm

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..engine.model_runner import to_device, to_device_split
+from .model_state import prepared
 
 # A prefix-hit group is split into one group per sequence when padding it to its longest member
 # would more than double the query rows (one 4,000-token tail among short ones, say).
@@ -156,18 +157,19 @@ def rope_tables(model) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cos, sin)``, each [max_position + 1, head_dim] in the model's dtype: row ``p`` holds
     position ``p``'s angles (sin with rotate-half's sign folded in); the extra last row is
     (1, 0), what a V head gets, so that one fused op can rope q, k and v alike.  Built once and
-    kept on the model: a step then looks its rows up (one op each) instead of computing them
+    kept per model (``model_state.py``): a step then looks its rows up (one op each) instead of computing them
     (about 20 ops).  Computed by ``model.rotary`` itself, so the same angles."""
-    if getattr(model, "_rope_tables", None) is None:
+    state = prepared(model)
+    if state.rope_tables is None:
         s = model.shape
         cos, sin = model.rotary(torch.arange(s.max_position, device=model.device))  # [P, 1, D]
         half = s.head_dim // 2
         sign = torch.cat([-sin.new_ones(half), sin.new_ones(half)])
-        model._rope_tables = (torch.cat([cos[:, 0], cos.new_ones(1, s.head_dim)]),
+        state.rope_tables = (torch.cat([cos[:, 0], cos.new_ones(1, s.head_dim)]),
                               torch.cat([sin[:, 0] * sign, sin.new_zeros(1, s.head_dim)]))
-        model._rope_heads_v = torch.arange(s.num_heads + 2 * s.num_kv_heads, device=model.device) >= \
+        state.rope_heads_v = torch.arange(s.num_heads + 2 * s.num_kv_heads, device=model.device) >= \
             s.num_heads + s.num_kv_heads
-    return model._rope_tables
+    return state.rope_tables
 
 
 def build_plan(model, positions: torch.Tensor, slots: torch.Tensor, prefills: list[tuple],
@@ -200,7 +202,7 @@ def build_plan(model, positions: torch.Tensor, slots: torch.Tensor, prefills: li
         sin = sin * torch.cat([-sin.new_ones(half), sin.new_ones(half)])  # rotate-half's sign, folded in
     else:  # looked up over q, k *and* v heads (v: cos 1, sin 0), so one fused op ropes them all
         cos_table, sin_table = rope_tables(model)
-        rows = torch.where(model._rope_heads_v, s.max_position, positions.view(-1, 1))  # [T, heads]
+        rows = torch.where(prepared(model).rope_heads_v, s.max_position, positions.view(-1, 1))  # [T, heads]
         cos, sin = cos_table[rows], sin_table[rows]
     groups = []
     if triton and (hits := [p for p in prefills if p[1] < p[2]] + [(d[0], 1, d[1], d[2]) for d in decodes]):

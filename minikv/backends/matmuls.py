@@ -43,6 +43,7 @@ import torch.nn.functional as F
 
 from . import cpu_kernels
 from .cpu_kernels import silu_mul, skinny_linear
+from .model_state import prepared
 
 # Steps of at most this many rows run on the few-row matmul (SkinnyMatmuls); past it, F.linear.  A
 # conservative bound: the libraries catch up a little past it (docs/BENCHMARKS.md, "Packed matmuls").
@@ -237,17 +238,19 @@ def logits(model, hidden: torch.Tensor, exact: bool, kernels: bool = False) -> t
 
 
 def skinny_head(model) -> tuple[torch.Tensor, int]:
-    """The LM head in the few-row matmul's panels, with its width (packed once, kept on the model)."""
-    if getattr(model, "_skinny_head", None) is None:
-        model._skinny_head = (cpu_kernels.skinny_pack(model.lm_head), model.lm_head.shape[0])
-    return model._skinny_head
+    """The LM head in the few-row matmul's panels, with its width (packed once per model)."""
+    state = prepared(model)
+    if state.skinny_head is None:
+        state.skinny_head = (cpu_kernels.skinny_pack(model.lm_head), model.lm_head.shape[0])
+    return state.skinny_head
 
 
 def packed_head(model) -> torch.Tensor:
-    """The LM head in oneDNN's layout (packed once, kept on the model)."""
-    if getattr(model, "_packed_head", None) is None:
-        model._packed_head = torch.ops.mkldnn._reorder_linear_weight(model.lm_head, 16)
-    return model._packed_head
+    """The LM head in oneDNN's layout (packed once per model)."""
+    state = prepared(model)
+    if state.packed_head is None:
+        state.packed_head = torch.ops.mkldnn._reorder_linear_weight(model.lm_head, 16)
+    return state.packed_head
 
 
 def prepare(model, kernels: bool = False) -> None:
@@ -266,15 +269,17 @@ def prepare(model, kernels: bool = False) -> None:
 
 def matmuls_for(model, exact: bool, kernels: bool = False, rows: int | None = None):
     """The matmuls of one fused step of ``model`` over ``rows`` token rows (packed ones are built
-    on first use and kept on the model, so forks sharing its weights share them too).
+    on first use and kept per model (``model_state.py``), so forks sharing its weights share them too).
     ``kernels``: the ``cpu_kernels`` backend's C++ ops may run (the few-row matmul; SwiGLU's one-pass op
     between dense matmuls: oneDNN-packed ones fuse SwiGLU already)."""
     if rows is not None and _skinny_step(model, exact, kernels, rows):
-        if getattr(model, "_skinny", None) is None:
-            model._skinny = [SkinnyLayer(L) for L in model.layers]
-        return SkinnyMatmuls(model._skinny)
+        state = prepared(model)
+        if state.skinny is None:
+            state.skinny = [SkinnyLayer(L) for L in model.layers]
+        return SkinnyMatmuls(state.skinny)
     if not packs(model, exact, kernels):
         return DenseMatmuls(model, exact, kernels)
-    if getattr(model, "_packed", None) is None:
-        model._packed = [PackedLayer(L, rows_hint=16) for L in model.layers]
-    return PackedMatmuls(model._packed)
+    state = prepared(model)
+    if state.packed is None:
+        state.packed = [PackedLayer(L, rows_hint=16) for L in model.layers]
+    return PackedMatmuls(state.packed)

@@ -58,7 +58,7 @@ class GuessResult:
     def timing(self) -> str:
         def quartiles(xs):
             q1, q2, q3 = quantiles(xs, n=4, method="inclusive") if len(xs) > 1 else (xs[0],) * 3
-            return f"median {1e3 * q2:.1f} ms (quartiles {1e3 * q1:.1f}-{1e3 * q3:.1f})"
+            return f"median {1e3 * q2:.1f} ms (quartiles {1e3 * q1:.1f} ms to {1e3 * q3:.1f} ms)"
         return (f"TTFT over {len(self.shared_ttft_s)} repeats: shared {quartiles(self.shared_ttft_s)}, "
                 f"isolated {quartiles(self.isolated_ttft_s)} (wall clock: varies run to run)")
 

@@ -305,3 +305,23 @@ def test_a_sealed_child_reads_only_the_interpreter_the_given_modules_and_its_own
     seen = json.loads(p.stdout)
     opened = {k for k, v in seen.items() if v in ("read", "wrote")}
     assert opened == {"own", "harness", "trail", "stdlib", "engine", "devnull"}, seen
+
+
+def test_a_graded_lab_server_counts_only_its_own_attackers_requests():
+    """Another submission's code can find a lab server's port (a scan of loopback is enough), so a
+    graded server draws its own attacker key and counts only requests that carry it: the public
+    key of the lessons, or none, adds nothing to the count its grade reads."""
+    import httpx
+
+    from minikv.grading._lab import HiddenServer
+    from minikv.grading.lab_server import ATTACKER_KEY
+
+    with HiddenServer("minikv.grading.lab_server", "--mode", "count") as srv:
+        card = srv.info
+        assert card["api_key"] != ATTACKER_KEY and len(card["api_key"]) > 24
+        body = {"model": card["model"], "prompt": card["prefix"] + "0#", "max_tokens": 1}
+        codes = [httpx.post(card["base_url"] + "/completions", json=body, timeout=60,
+                            headers={"Authorization": f"Bearer {key}"}).status_code
+                 for key in (ATTACKER_KEY, card["api_key"], "sk-lab-someone-else")]
+        key = srv.reveal()
+    assert codes == [401, 200, 401] and key["requests"] == 1, (codes, key)

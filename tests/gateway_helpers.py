@@ -50,6 +50,13 @@ def fake_upstream(model: str = "fake", stream_chunks: int = 1000, chunk_delay: f
     async def models():
         return {"object": "list", "data": [{"id": model, "object": "model", "owned_by": "fake"}]}
 
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await request.json()
+        seen.append(("/v1/chat/completions", dict(request.headers), body))
+        return {"id": "x", "object": "chat.completion", "model": model, "usage": usage(body),
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "length"}]}
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = await request.json()

@@ -139,9 +139,10 @@ def monitor_kwargs_from_args(args: argparse.Namespace) -> dict:
 
 
 def read_engine_secret(path: str) -> bytes:
-    """Raw bytes of the secret file, surrounding whitespace removed.  Never printed."""
-    with open(path, "rb") as fh:
-        return fh.read().strip()
+    """Raw bytes of the secret file, surrounding whitespace removed.  Never printed.  A path
+    that is not a regular file, or one over 64 KiB, is a ValueError naming the flag."""
+    from ..security.keys import read_secret_file
+    return read_secret_file(path, "--engine-secret-file").strip()
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict:

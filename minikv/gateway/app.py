@@ -6,13 +6,16 @@
 One request's path, cheapest check first (the order ``minikv serve`` uses, for the same
 reason: a tenant must not be able to slow others down with requests that are refused anyway):
 
-1. API key -> identity (401), the tenant's request rate (429), ``Content-Length`` (413);
+1. API key -> identity (401), the tenant's request rate (429; ``/v1/models`` counts too),
+   ``Content-Length`` (413);
 2. one of the tenant's concurrency slots (429 when too many already wait);
-3. the body: strict JSON (400), ``max_tokens`` at most the cap (400; absent -> the cap), the
-   tenant's decode budget (429);
+3. the body: strict JSON (400), the prompt's size (``--max-prompt-chars``, ``--max-messages``:
+   400), ``max_tokens`` at most the cap (400; absent -> the cap), the tenant's decode budget (429);
 4. the salt of this identity replaces whatever ``cache_salt`` the client sent; the prompt's
    tokens (upstream tokenizer) pick the upstream (:mod:`minikv.gateway.routing`);
-5. forward (:mod:`minikv.gateway.proxy`), pass the answer back, write one trail record.
+5. forward (:mod:`minikv.gateway.proxy`) -- to a minikv upstream with the tenant's name in
+   ``X-Minikv-Tenant``, which only the gateway's key may send there (:mod:`minikv.serve.identity`),
+   so the upstream's per-tenant limits see tenants -- pass the answer back, write one trail record.
 
 Nothing a client sends can choose its salt, tenant or user.  The limits, key loader and metrics
 are ``minikv serve``'s own (:mod:`minikv.serve.limits`, :mod:`minikv.serve.auth`,
@@ -53,6 +56,8 @@ class GatewayConfig:
     every tenant's cache goes cold on restart.  salt_scope: ``"tenant"`` or ``"user"``.
     salt_header: also send the salt as ``X-Cache-Salt``.  max_tokens_cap: per-request cap (and
     the value used when a request gives none).  prefix_tokens: routing key length.
+    tenant_upstreams: the upstreams that are told each request's tenant (``X-Minikv-Tenant``:
+    ``minikv serve --gateway-keys``), so that their per-tenant limits apply per tenant.
     """
 
     upstreams: tuple[str, ...]
@@ -64,6 +69,7 @@ class GatewayConfig:
     max_tokens_cap: int = 512
     prefix_tokens: int = 128
     timeout: float = 300.0
+    tenant_upstreams: tuple[str, ...] = ()
 
 
 def _max_tokens(body: dict, chat: bool, cap: int) -> int:
@@ -79,6 +85,39 @@ def _max_tokens(body: dict, chat: bool, cap: int) -> int:
     if not given:
         body["max_tokens"] = cap
     return max((v for _, v in given), default=cap)
+
+
+def check_prompt_size(body: dict, chat: bool, limits: ServeLimits) -> None:
+    """``--max-prompt-chars`` and ``--max-messages``, before anything tokenizes the prompt.  Only
+    the sizes: the shape of a prompt is the upstream's to judge (vLLM takes roles and content
+    parts minikv does not), so whatever is not text or a list of messages passes to it."""
+    cap = limits.max_prompt_chars
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return
+        if len(messages) > limits.max_messages:
+            raise APIError(400, f"'messages' has {len(messages)} messages; this gateway accepts at most "
+                                f"{limits.max_messages} (--max-messages)", param="messages")
+        total = sum(_text_chars(m.get("content")) for m in messages if isinstance(m, dict))
+        what = "'messages' content"
+    else:
+        prompt = body.get("prompt")
+        total = _text_chars(prompt) if not (isinstance(prompt, list) and prompt and isinstance(prompt[0], int)) \
+            else len(prompt)
+        what = "'prompt'"
+    if cap is not None and total > cap:
+        raise APIError(400, f"{what} has {total} characters; this gateway accepts at most {cap} "
+                            "(--max-prompt-chars)", param="messages" if chat else "prompt", code="prompt_too_long")
+
+
+def _text_chars(content) -> int:
+    """Characters of a prompt or message content: a string, text parts, or a list of strings."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(_text_chars(p.get("text") if isinstance(p, dict) else p) for p in content)
+    return 0
 
 
 def create_gateway_app(config: GatewayConfig, keys: GatewayKeys, *, operator_keys: ApiKeys | None = None,
@@ -122,6 +161,9 @@ def create_gateway_app(config: GatewayConfig, keys: GatewayKeys, *, operator_key
         request.state.tenant = who.tenant
         return who
 
+    def tenant_for(upstream: str, who: Identity) -> str | None:
+        return who.tenant if upstream in config.tenant_upstreams else None
+
     def salt_of(who: Identity) -> str:
         if who not in salts:
             salts[who] = derive_salt(config.secret, who, config.salt_scope)
@@ -147,6 +189,7 @@ def create_gateway_app(config: GatewayConfig, keys: GatewayKeys, *, operator_key
     async def handle(request: Request, chat: bool, who: Identity, lease: Lease):
         """An admitted request (:mod:`minikv.serve.routes`): body, salt, upstream, answer."""
         body = await read_json(request, config.limits.max_body_bytes)
+        check_prompt_size(body, chat, config.limits)
         n = _max_tokens(body, chat, config.max_tokens_cap)
         try:
             lease.reserve(n)
@@ -163,11 +206,11 @@ def create_gateway_app(config: GatewayConfig, keys: GatewayKeys, *, operator_key
             except Exception as exc:   # noqa: BLE001 -- a chat template raises its own kinds
                 raise APIError(400, f"cannot tokenize the prompt ({type(exc).__name__}): {exc}"[:500]) from None
         path = "/chat/completions" if chat else "/completions"
-        headers = proxy.upstream_headers(salt, config.upstream_key, config.salt_header)
         client: httpx.AsyncClient = state["client"]
         last: APIError | None = None
         for upstream in router.ranking(salt, ids):   # the best first; the next only if it cannot connect
             slot = config.upstreams.index(upstream)
+            headers = proxy.upstream_headers(salt, config.upstream_key, config.salt_header, tenant_for(upstream, who))
             try:
                 if body.get("stream"):
                     resp = await proxy.open_stream(client, upstream.rstrip("/") + path, body, headers)
@@ -203,7 +246,7 @@ def create_gateway_app(config: GatewayConfig, keys: GatewayKeys, *, operator_key
             if payload is None:
                 return Response(resp.content, status_code=resp.status_code,
                                 media_type=resp.headers.get("content-type"))
-            return JSONResponse(payload, status_code=resp.status_code)
+            return JSONResponse(payload, status_code=resp.status_code, headers=proxy.passed_headers(resp))
         raise last or APIError(502, "no upstream available; the request was not served", "server_error",
                                code="upstream_unavailable")
 
@@ -211,15 +254,18 @@ def create_gateway_app(config: GatewayConfig, keys: GatewayKeys, *, operator_key
 
     @app.get("/v1/models")
     async def models(request: Request):
-        identity_of(request)
-        headers = proxy.upstream_headers("-", config.upstream_key, False)
+        who = identity_of(request)
+        limiter.check_rate(who.tenant)   # every route counts against the tenant's rate
         for upstream in config.upstreams:
+            headers = proxy.upstream_headers("-", config.upstream_key, False, tenant_for(upstream, who))
             try:
                 r = await state["client"].get(upstream.rstrip("/") + "/models", headers=headers)
             except httpx.HTTPError:
                 continue
-            if r.status_code == 200:
-                return JSONResponse(r.json())
+            try:   # the upstream's own answer, a 429 of the tenant's included, passes through
+                return JSONResponse(r.json(), status_code=r.status_code, headers=proxy.passed_headers(r))
+            except ValueError:
+                continue
         raise APIError(502, "no upstream answered GET /models", "server_error", code="upstream_unavailable")
 
     @app.get("/health")

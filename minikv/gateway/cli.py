@@ -10,7 +10,8 @@ Start-up, in order, and the gateway refuses to start at the first failure:
    a minikv server, the only kind that can share a public prefix);
 3. the paired salt probe (:mod:`minikv.gateway.probe`) on every upstream -- skipped only with
    ``--allow-unverified-upstream``, which the log then says loudly;
-4. ``--public-prefix``: minikv upstreams only, and checked to be shared across salts.
+4. ``--public-prefix``: minikv upstreams only, and checked to be shared across salts;
+5. every minikv upstream accepts the gateway's ``X-Minikv-Tenant`` (:mod:`minikv.serve.identity`).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import secrets
 import sys
 
 from ..engine.args import positive_int
+from ..security.keys import read_secret_file
 from ..serve.cli import _add_limit_arguments, _is_loopback, limits_from_args
 
 log = logging.getLogger("minikv.gateway")
@@ -31,18 +33,51 @@ def _read_secret(path: str | None) -> bytes:
         print("warning: no --secret-file: a random gateway secret, so every tenant's salt (and cache) "
               "changes when the gateway restarts", file=sys.stderr)
         return secrets.token_bytes(32)
-    with open(path, "rb") as fh:
-        secret = fh.read().strip()
+    secret = read_secret_file(path, "--secret-file").strip()
     if len(secret) < 16:
-        raise ValueError(f"{path}: the gateway secret must be at least 16 bytes, got {len(secret)}")
+        raise ValueError(f"--secret-file {path!r}: the gateway secret must be at least 16 bytes, got {len(secret)}")
     return secret
 
 
 def _upstream_key(args) -> str | None:
     if args.upstream_key_file:
-        with open(args.upstream_key_file, encoding="utf-8") as fh:
-            return fh.read().strip() or None
+        raw = read_secret_file(args.upstream_key_file, "--upstream-key-file")
+        try:
+            return raw.decode("utf-8").strip() or None
+        except UnicodeDecodeError:
+            raise ValueError(f"--upstream-key-file {args.upstream_key_file!r} is not UTF-8") from None
     return os.environ.get("MINIKV_UPSTREAM_KEY") or None
+
+
+def upstream_url(text: str) -> str:
+    """``--upstream``'s type: an http(s) URL with a host and a valid port, or an error that names
+    the value (urllib's own messages, "Port out of range 0-65535", do not)."""
+    from urllib.parse import urlsplit
+    try:
+        parts = urlsplit(text)
+        parts.port   # parses the port: ValueError for 'bad', 99999, an unclosed '[::1'
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"--upstream {text!r}: {exc}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"--upstream {text!r}: expected http(s)://HOST[:PORT]/v1")
+    return text
+
+
+def check_tenant_header(upstream: str, upstream_key: str | None, tenant: str, timeout: float = 10.0) -> None:
+    """A minikv upstream must accept the gateway's ``X-Minikv-Tenant`` (its key listed in that
+    server's ``--gateway-keys``); otherwise every tenant would reach it as the gateway, and one
+    tenant's flood would get the others 429s.  Raises RuntimeError naming the fix."""
+    import httpx
+
+    from .proxy import upstream_headers
+    try:
+        r = httpx.get(upstream.rstrip("/") + "/models", timeout=timeout,
+                      headers=upstream_headers("-", upstream_key, False, tenant))
+    except httpx.HTTPError as exc:
+        raise RuntimeError(f"upstream {upstream} did not answer ({type(exc).__name__})") from None
+    if r.status_code != 200:
+        raise RuntimeError(f"upstream {upstream} refused the gateway's X-Minikv-Tenant (HTTP {r.status_code}): "
+                           "list the key of --upstream-key-file in that server's --gateway-keys")
 
 
 def discover(upstream: str, upstream_key: str | None, timeout: float = 10.0) -> tuple[str, str]:
@@ -93,7 +128,8 @@ def start_checks(args, upstream_key: str | None) -> dict:
             if shared < block:
                 raise UnverifiedUpstream(f"{upstream} does not share the public prefix across salts "
                                          f"(cached {shared} tokens); start it with --shared-prefix and the same text")
-    return {"block_size": block, "kinds": kinds, "models": models}
+    return {"block_size": block, "kinds": kinds, "models": models,
+            "tenant_upstreams": tuple(u for u, k in zip(args.upstream, kinds) if k == "minikv")}
 
 
 def tokenizer_name(args, models: list[str]) -> str:
@@ -115,7 +151,7 @@ def _tokenizer_dir(name: str):
 
 
 def _cmd_gateway(args: argparse.Namespace) -> int:
-    from ..serve.auth import load_api_keys
+    from ..serve.auth import check_disjoint, load_api_keys
     from .app import GatewayConfig, create_gateway_app
     from .oversight import GatewayTrail, PromptTokens
     from .probe import UnverifiedUpstream
@@ -125,11 +161,14 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         keys = load_gateway_keys(args.api_keys, args.salt_scope)
-        ops = load_api_keys(args.operator_keys, what="operator") if args.operator_keys else None
+        ops = load_api_keys(args.operator_keys, what="operator", flag="--operator-keys") if args.operator_keys else None
+        check_disjoint(api_keys=keys.api_keys, operator_keys=ops)
         limits = limits_from_args(args)
         secret = _read_secret(args.secret_file)
         upstream_key = _upstream_key(args)
         checks = start_checks(args, upstream_key)
+        for upstream in checks["tenant_upstreams"]:
+            check_tenant_header(upstream, upstream_key, keys.tenants[0])
         tokens = None if args.tokenizer == "none" else \
             PromptTokens(_tokenizer_dir(tokenizer_name(args, checks["models"])))
         trail = GatewayTrail(secret, checks["block_size"], args.trail) if tokens is not None else None
@@ -140,7 +179,8 @@ def _cmd_gateway(args: argparse.Namespace) -> int:
         print(f"warning: listening on {args.host}, not loopback: put TLS in front", file=sys.stderr)
     config = GatewayConfig(upstreams=tuple(args.upstream), secret=secret, upstream_key=upstream_key,
                            salt_scope=args.salt_scope, salt_header=args.salt_header, limits=limits,
-                           max_tokens_cap=args.max_tokens_cap, prefix_tokens=checks["block_size"])
+                           max_tokens_cap=args.max_tokens_cap, prefix_tokens=checks["block_size"],
+                           tenant_upstreams=checks["tenant_upstreams"])
     app = create_gateway_app(config, keys, operator_keys=ops, tokens=tokens, trail=trail)
     import uvicorn
     log.info("gateway for %d tenant(s) on %s:%d -> %s (block size %d)", len(keys.tenants), args.host,
@@ -156,8 +196,9 @@ def add_gateway_parser(subparsers: argparse._SubParsersAction) -> argparse.Argum
                               description="An OpenAI-compatible reverse proxy that binds each request to the "
                                           "tenant of its API key: a server-derived cache_salt, per-tenant limits, "
                                           "an operator trail, salt-aware routing.")
-    p.add_argument("--upstream", action="append", required=True, metavar="URL",
-                   help="upstream API root ending in /v1 (repeat for several)")
+    p.add_argument("--upstream", action="append", required=True, metavar="URL", type=upstream_url,
+                   help="upstream API root ending in /v1 (repeat for several); a minikv serve upstream must "
+                        "list --upstream-key-file's key in its --gateway-keys, so that it sees each tenant")
     p.add_argument("--api-keys", required=True, metavar="FILE",
                    help='JSON object API key -> "tenant" or "tenant/user" (minikv serve\'s strict loader)')
     p.add_argument("--operator-keys", metavar="FILE", help="JSON operator key -> name: /metrics, /admin/findings")

@@ -33,14 +33,25 @@ from ..serve.protocol import APIError
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def upstream_headers(salt: str, upstream_key: str | None, salt_header: bool) -> dict:
-    """The complete header set of an upstream request (nothing of the client's)."""
+def upstream_headers(salt: str, upstream_key: str | None, salt_header: bool, tenant: str | None = None) -> dict:
+    """The complete header set of an upstream request (nothing of the client's).  ``tenant``:
+    the tenant the gateway calls for, sent as ``X-Minikv-Tenant`` to a ``minikv serve`` that
+    knows the gateway's key as a gateway key (:mod:`minikv.serve.identity`), so that the
+    upstream's per-tenant limits see tenants, not one gateway."""
     headers = {"Content-Type": "application/json"}
     if upstream_key:
         headers["Authorization"] = f"Bearer {upstream_key}"
     if salt_header:
         headers["X-Cache-Salt"] = salt
+    if tenant is not None:
+        headers["X-Minikv-Tenant"] = tenant
     return headers
+
+
+def passed_headers(response: httpx.Response) -> dict:
+    """The upstream headers a client needs from an answer: ``Retry-After`` of a 429 or 503."""
+    value = response.headers.get("retry-after")
+    return {"Retry-After": value} if value is not None else {}
 
 
 def salted(body: dict, salt: str) -> dict:

@@ -58,6 +58,7 @@ class GatewayKeys:
         if scope not in SCOPES:
             raise ValueError(f"salt scope {scope!r} is not one of {', '.join(SCOPES)}")
         self._keys, self.scope = keys, scope
+        self.api_keys = keys   # the underlying keys, for checks across files (serve.auth.check_disjoint)
         self._identities = {}
         for name in keys.tenants:   # the *values* of the file
             self._identities[name] = parse_identity(name)
@@ -77,7 +78,8 @@ def load_gateway_keys(path, scope: str = "tenant") -> GatewayKeys:
     try:
         return GatewayKeys(load_api_keys(path, what="tenant or tenant/user"), scope)
     except ValueError as exc:
-        raise ValueError(f"{path}: {exc}") if not str(exc).startswith(str(path)) else exc from None
+        named = str(exc).startswith((str(path), "--"))   # already names the file or its flag
+        raise ValueError(f"{path}: {exc}") if not named else exc from None
 
 
 def derive_salt(secret: bytes, identity: Identity, scope: str = "tenant") -> str:

@@ -11,7 +11,9 @@ writes :func:`derive_tenant_key`.
 from __future__ import annotations
 
 import hmac
+import os
 import secrets
+import stat
 
 from .encoding import encode_fields
 
@@ -23,6 +25,7 @@ __all__ = [
     "derive_operator_key",
     "derive_shared_key",
     "check_secret",
+    "read_secret_file",
     "TENANT_LABEL",
     "SHARED_LABEL",
     "OPERATOR_LABEL",
@@ -56,6 +59,32 @@ def check_secret(secret, name: str = "engine secret") -> bytes:
     if len(secret) < MIN_SECRET_BYTES:
         raise ValueError(f"{name} must be at least {MIN_SECRET_BYTES} bytes, got {len(secret)} bytes")
     return bytes(secret)
+
+
+MAX_SECRET_FILE_BYTES = 64 << 10
+
+
+def read_secret_file(path, flag: str, max_bytes: int = MAX_SECRET_FILE_BYTES) -> bytes:
+    """The bytes of a secret (or keys) file named by ``flag``, or a one-line ``ValueError``
+    naming the flag and the path.  Only a regular file is read, and at most ``max_bytes``:
+    opening a FIFO nobody writes blocks forever, and ``/dev/zero`` never ends, so the server
+    would hang or run out of memory before it could say what is wrong.  The file is opened
+    non-blocking and checked with ``fstat`` on the open descriptor (no window between a check
+    and the open for the path to be swapped)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise ValueError(f"{flag} {str(path)!r}: {exc.strerror or type(exc).__name__}") from None
+    with os.fdopen(fd, "rb") as fh:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else \
+                "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a plain file"
+            raise ValueError(f"{flag} {str(path)!r} is {kind}; give a regular file")
+        data = fh.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ValueError(f"{flag} {str(path)!r} is larger than {max_bytes} bytes")
+    return data
 
 
 def _derive(secret, *fields) -> bytes:

@@ -31,8 +31,9 @@ A tenant must not be able to slow the others down, not even with requests that a
 anyway, so every check runs before the next, more expensive step (:mod:`minikv.serve.limits`;
 steps 1 and 2 are :mod:`minikv.serve.routes`, which the gateway shares):
 
-1. API key -> tenant (401), then the tenant's request rate (429), then ``Content-Length`` (413):
-   nothing of the body has been read yet;
+1. API key -> tenant (401), then the tenant's request rate (429; ``/v1/models`` counts too),
+   then ``Content-Length`` (413): nothing of the body has been read yet.  Behind ``minikv
+   gateway``, a gateway key names the tenant it calls for (:mod:`minikv.serve.identity`);
 2. a concurrency slot of the tenant's (429 when too many already wait);
 3. the body: strict JSON, field validation, prompt size caps (400), the tenant's decode budget;
 4. tokenization, on a worker thread of its own (:mod:`minikv.serve.tokenize`), which also
@@ -66,7 +67,8 @@ from typing import Any, Mapping
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from .auth import ApiKeys
+from .auth import ApiKeys, check_disjoint
+from .identity import TenantResolver
 from .limits import Lease, ServeLimits, TenantLimiter
 from .metrics import ServerMetrics
 from .middleware import MetricsMiddleware, QueryStringGuard, install_error_handlers
@@ -123,7 +125,8 @@ def create_app(llm_or_engine, api_keys: ApiKeys | Mapping[str, str], *, model_na
                report_cached_tokens: bool = False, limits: ServeLimits | None = None,
                operator_keys: ApiKeys | Mapping[str, str] | None = None,
                metrics: ServerMetrics | None = None, runner: EngineRunner | None = None,
-               trust_client_salt: bool = False) -> FastAPI:
+               trust_client_salt: bool = False,
+               gateway_keys: ApiKeys | Mapping[str, str] | None = None) -> FastAPI:
     """Build the FastAPI app around an ``LLM`` or ``LLMEngine``.
 
     ``report_cached_tokens`` adds ``usage.prompt_tokens_details.cached_tokens``: useful to
@@ -132,9 +135,12 @@ def create_app(llm_or_engine, api_keys: ApiKeys | Mapping[str, str], *, model_na
     per-request limits (:class:`ServeLimits`; its defaults when None).  ``operator_keys``
     unlock ``/metrics``.  The engine runner starts with the app (lifespan) and stops with it.
     ``trust_client_salt``: honour ``cache_salt`` like vLLM (:mod:`minikv.serve.client_salt`).
+    ``gateway_keys``: keys that may name the tenant they call for (:mod:`minikv.serve.identity`).
     """
     engine = getattr(llm_or_engine, "engine", llm_or_engine)
-    keys, ops = _keys(api_keys), _keys(operator_keys)
+    keys, ops, gateways = _keys(api_keys), _keys(operator_keys), _keys(gateway_keys)
+    check_disjoint(api_keys=keys, operator_keys=ops, gateway_keys=gateways)
+    resolve_tenant = TenantResolver(keys, gateways)
     if trust_client_salt:
         check_tenant_names(keys.tenants)
     limits = limits if limits is not None else ServeLimits()
@@ -165,8 +171,17 @@ def create_app(llm_or_engine, api_keys: ApiKeys | Mapping[str, str], *, model_na
 
     # ------------------------------------------------------------------ helpers
     def tenant_of(request: Request) -> str:
-        tenant = _require(keys, request, "API")
+        tenant = resolve_tenant(request.scope["headers"])
+        if tenant is None:
+            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
+                           code="invalid_api_key")
         request.state.tenant = tenant
+        return tenant
+
+    def counted(request: Request) -> str:
+        """The tenant of a request to any other route, charged to its request rate."""
+        tenant = tenant_of(request)
+        limiter.check_rate(tenant)
         return tenant
 
     def check_model(body: dict) -> str:
@@ -234,12 +249,12 @@ def create_app(llm_or_engine, api_keys: ApiKeys | Mapping[str, str], *, model_na
 
     @app.get("/v1/models")
     async def models(request: Request):
-        tenant_of(request)
+        counted(request)
         return {"object": "list", "data": [model_card(name)]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str, request: Request):
-        tenant_of(request)
+        counted(request)
         if model_id not in names:
             raise APIError(404, f"the model '{model_id[:200]}' does not exist", param="model",
                            code="model_not_found")

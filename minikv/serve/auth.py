@@ -28,6 +28,8 @@ import json
 import os
 from typing import Mapping
 
+from ..security.keys import read_secret_file
+
 
 class ApiKeys:
     """API key -> tenant (or operator name), resolved in constant time.
@@ -73,6 +75,28 @@ class ApiKeys:
         return found
 
 
+    def shared_entries(self, other: "ApiKeys") -> list[tuple[int, int]]:
+        """``(i, j)`` (1-based) for every key that is entry i here and entry j of ``other``."""
+        return [(i, j) for i, (a, _) in enumerate(self._entries, 1)
+                for j, (b, _) in enumerate(other._entries, 1) if hmac.compare_digest(a, b)]
+
+
+def check_disjoint(**files: "ApiKeys | None") -> None:
+    """Refuse (ValueError) a key that appears in two keys files, naming the flags and the
+    entries' positions (never the key): a key has one role.  An operator key that is also a
+    tenant key would let that tenant read ``/metrics``; a gateway key that is also a tenant key
+    would let whoever holds it speak for any tenant of the gateway."""
+    named = [(flag, keys) for flag, keys in files.items() if keys is not None]
+    for a, (flag_a, keys_a) in enumerate(named):
+        for flag_b, keys_b in named[a + 1:]:
+            both = keys_a.shared_entries(keys_b)
+            if both:
+                i, j = both[0]
+                fa, fb = (f"--{f.replace('_', '-')}" for f in (flag_a, flag_b))
+                raise ValueError(f"entry {i} of {fa} and entry {j} of {fb} are the same key; "
+                                 "a key must have one role")
+
+
 MAX_KEYS_FILE_BYTES = 16 << 20
 
 
@@ -87,13 +111,11 @@ def _strict_object(pairs: list) -> dict:
     return out
 
 
-def load_api_keys(path: str | os.PathLike, what: str = "tenant") -> ApiKeys:
+def load_api_keys(path: str | os.PathLike, what: str = "tenant", flag: str = "--api-keys") -> ApiKeys:
     """Read a JSON object ``{"<api key>": "<tenant>", ...}``; every problem is a one-line
-    :class:`ValueError` that names the file and the entry's position (never a key)."""
-    with open(path, "rb") as fh:
-        raw = fh.read(MAX_KEYS_FILE_BYTES + 1)
-    if len(raw) > MAX_KEYS_FILE_BYTES:
-        raise ValueError(f"{path}: larger than {MAX_KEYS_FILE_BYTES} bytes")
+    :class:`ValueError` that names the file and the entry's position (never a key).  ``flag``
+    names the option in errors about the file itself (a FIFO, a device, too large, missing)."""
+    raw = read_secret_file(path, flag, MAX_KEYS_FILE_BYTES)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

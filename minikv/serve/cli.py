@@ -37,7 +37,7 @@ def limits_from_args(args: argparse.Namespace):
     from .limits import ServeLimits
 
     given = {f: getattr(args, f) for f in _LIMIT_FLAGS if getattr(args, f, None) is not None}
-    for f in ("requests_per_s", "max_concurrent", "max_queued", "max_tokens_in_flight"):
+    for f in ("requests_per_s", "max_concurrent", "max_tokens_in_flight"):   # not max_queued: 0 = no queue
         if given.get(f) == 0:
             given[f] = None
     return ServeLimits(**given)
@@ -52,10 +52,12 @@ def app_from_args(args: argparse.Namespace):
     settings go to stderr."""
     from ..llm import LLM
     from .app import create_app
-    from .auth import load_api_keys
+    from .auth import check_disjoint, load_api_keys
 
     keys = load_api_keys(args.api_keys)
-    ops = load_api_keys(args.operator_keys, what="operator") if args.operator_keys else None
+    ops = load_api_keys(args.operator_keys, what="operator", flag="--operator-keys") if args.operator_keys else None
+    gateways = load_api_keys(args.gateway_keys, what="gateway", flag="--gateway-keys") if args.gateway_keys else None
+    check_disjoint(api_keys=keys, operator_keys=ops, gateway_keys=gateways)  # before the model loads
     limits = limits_from_args(args)
     kwargs = engine_kwargs_from_args(args)
     knobs = monitor_kwargs_from_args(args)
@@ -85,7 +87,7 @@ def app_from_args(args: argparse.Namespace):
                   file=sys.stderr)
     app = create_app(llm, keys, model_name=args.served_model_name or args.model,
                      report_cached_tokens=args.report_cached_tokens, limits=limits, operator_keys=ops,
-                     trust_client_salt=args.trust_client_salt)
+                     trust_client_salt=args.trust_client_salt, gateway_keys=gateways)
     return app, ops
 
 
@@ -178,6 +180,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction, reuse_monitor=None)
                         "see minikv.serve.client_salt); off by default")
     p.add_argument("--operator-keys", metavar="FILE",
                    help="JSON object mapping operator key -> name; these keys (only) may read /metrics")
+    p.add_argument("--gateway-keys", metavar="FILE",
+                   help="JSON object mapping gateway key -> gateway name; a request with one of these keys may "
+                        "name its tenant in X-Minikv-Tenant and is served as '<gateway>/<tenant>' "
+                        "(see minikv.serve.identity); a tenant key sending that header gets 403")
     p.add_argument("--metrics-host", default="127.0.0.1", help="address of --metrics-port (default 127.0.0.1)")
     p.add_argument("--metrics-port", type=int,
                    help="serve /metrics on this separate, operator-only port (no tenant key opens it)")

@@ -19,11 +19,12 @@ domain key, this isolates exactly like vLLM's "mix the salt into block 0".  Bloc
 operator-declared ``--shared-prefix`` stay shared across salts (they use the shared key).
 
 What the flag costs: each salt is a tenant to the engine -- its own fair-share queue, its own
-cached-block quota and its own ``tenant`` label in ``/metrics`` -- so a client with many salts
-gets many quotas, like an attacker with many accounts.  Request rate, concurrency and the
-decode budget stay per API key's tenant.  Salts need ``cache_isolation="tenant"`` (the
-default): under ``"shared"`` there are no domain keys to narrow, and the salt changes nothing
-(the gateway's start-up probe then refuses that upstream, as it should).
+cached-block quota -- so a client with many salts gets many quotas, like an attacker with
+many accounts.  Request rate, concurrency, the decode budget and the ``/metrics`` label
+(:func:`minikv.security.domains.tenant_of`) stay per API key's tenant.  Salts need
+``cache_isolation="tenant"`` (the default): under ``"shared"`` there are no domain keys to
+narrow, and the salt changes nothing (the gateway's start-up probe then refuses that upstream,
+as it should).
 """
 from __future__ import annotations
 

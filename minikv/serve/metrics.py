@@ -15,10 +15,18 @@ even when responses hide ``cached_tokens`` (issue 14).  So ``/metrics`` needs an
 (:mod:`minikv.serve.app`) or lives on an operator-only address, and only then may counters
 carry ``tenant`` labels, which operators need to see who is being throttled.  Labels never
 carry prompt content.
+
+**Labels are bounded.**  A ``tenant`` label is the API key's tenant, never the engine-side domain
+a request ran in: under ``--trust-client-salt`` every fresh ``cache_salt`` is a domain of its
+own (:mod:`.client_salt`), and labelling by domain grew ``/metrics`` by a series per salted
+request.  So the label drops the salt part (:func:`minikv.security.domains.tenant_of`); the
+number of series is bounded by the keys files (and the gateway tenants cap, :mod:`.identity`).
 """
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from ..security.domains import tenant_of
 
 TTFT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -60,7 +68,7 @@ class ServerMetrics:
 
     def observe_finish(self, prompt_tokens: int, cached_tokens: int, generated: int, reason: str | None,
                        e2e_s: float | None, tenant: str | None = None) -> None:
-        t = str(tenant)
+        t = str(tenant_of(tenant))
         self.tenant_requests.labels(tenant=t, finish_reason=str(reason)).inc()
         self.tenant_tokens.labels(tenant=t, kind="prompt").inc(prompt_tokens)
         self.tenant_tokens.labels(tenant=t, kind="generated").inc(generated)

@@ -10,8 +10,9 @@ and the byte-level test tokenizer, saves it to a temporary directory and checks 
    backends in fp32 (within 1e-4 of the largest logit: CUDA kernels may pick other reduction orders
    than transformers' calls, so the CPU's 1e-5 is not asked here) and bf16 (within 8% of the
    largest logit), greedy tokens of a batch identical to transformers';
-2. the CUDA tests (``pytest -k cuda`` over the engine's attention and CUDA-graph tests: they
-   skip on a CPU), and that the greedy run's decode steps were CUDA graph replays;
+2. the CUDA tests (``pytest -k cuda`` over the engine's attention and CUDA-graph tests and every
+   backend's equality with the reference in logits, tokens and pool: they skip on a CPU), and
+   that the greedy run's decode steps were CUDA graph replays;
 3. ``python -m minikv.bench --device cuda`` on that model in bf16 and fp32: throughput against
    transformers, TTFT, prefill FLOP/s against the measured matmul peak, ops and kernels per
    decode step;
@@ -293,12 +294,12 @@ def main(argv=None) -> int:
         rc, out, secs = run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *collect, "-k", "cuda",
                              "tests/test_attention_fused.py", "tests/test_attention_pad_block.py",
                              "tests/test_sampling_batched.py", "tests/test_cuda_graphs.py",
-                             "tests/test_prefill_graphs.py"], timeout=150)
+                             "tests/test_prefill_graphs.py", "tests/test_backend_equality.py"], timeout=240)
         tail = out.strip().splitlines()[-1] if out.strip() else ""
         if rc != 0:  # the failures themselves, not just the count: the session may not get a second run
             print("\n".join(out.strip().splitlines()[-120:]), flush=True)
         what = "collected, not run: " if collect else ""
-        results.append(("pytest -k cuda (attention, pad block, sampling, graphs)", rc == 0, f"{what}{tail} ({secs:.0f} s)"))
+        results.append(("pytest -k cuda (attention, pad block, sampling, graphs, backend equality)", rc == 0, f"{what}{tail} ({secs:.0f} s)"))
         bench = {}
         if not args.skip_bench:
             report = Path(tmp) / "bench.json"

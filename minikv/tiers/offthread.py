@@ -38,6 +38,8 @@ class OffThread:
         weakref.finalize(self, self._worker.shutdown, wait=False)  # no idle thread outlives the link
 
     def __getattr__(self, name):  # the tier's own attributes (client, url, used, ...)
+        if name == "tier":  # not set yet (or gone): no recursion through __getattr__
+            raise AttributeError(name)
         return getattr(self.tier, name)
 
     def busy(self) -> bool:

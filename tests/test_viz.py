@@ -446,3 +446,16 @@ def test_slot_grid_draws_every_slot_and_outlines_the_read_ones():
         draw_slot_grid(kinds[:3], ["", "", ""], 2, colors)
     with pytest.raises(ValueError, match=r"no colour for slot kind\(s\) \['c'\]"):
         draw_slot_grid(["c", "a"], ["", ""], 2, colors)
+
+
+def test_timing_strip_shows_every_repeat_and_each_arms_median():
+    from minikv.viz.plots import plot_timing_strip
+    fig = plot_timing_strip({"miss": [900.0, 1000.0, 1100.0, 5000.0], "hit": [80.0, 90.0, 100.0]})
+    ax = fig.axes[0]
+    dots = [c for c in ax.collections if c.get_offsets().shape[0] > 0]
+    assert sorted(len(c.get_offsets()) for c in dots) == [3, 4]   # one dot per repeat, outliers included
+    labels = [t.get_text() for t in ax.texts]
+    assert "median 1,050" in labels and "median 90" in labels
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["miss\n(n=4)", "hit\n(n=3)"]
+    with pytest.raises(ValueError, match="hit"):
+        plot_timing_strip({"miss": [1.0], "hit": []})

@@ -205,7 +205,8 @@ def plot_timing_strip(groups: Mapping[str, Sequence[float]], ax: Axes | None = N
                    boxprops=dict(color=color), whiskerprops=dict(color=color), capprops=dict(color=color))
         spread = np.linspace(-0.18, 0.18, values.size) if values.size > 1 else np.zeros(1)
         ax.scatter(i + spread, values, s=14, color=color, alpha=0.8, zorder=3)
-        ax.annotate(f"median {np.median(values):.3g}", (i, float(values.max())), xytext=(0, 4),
+        mid = float(np.median(values))
+        ax.annotate(f"median {mid:,.0f}" if abs(mid) >= 100 else f"median {mid:.3g}", (i, float(values.max())), xytext=(0, 4),
                     textcoords="offset points", ha="center", fontsize=8)
     ax.set_xticks(range(len(data)), [f"{label}\n(n={v.size})" for label, v in data.items()])
     if log:

@@ -75,12 +75,13 @@ def read_secret_file(path, flag: str, max_bytes: int = MAX_SECRET_FILE_BYTES) ->
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
         raise ValueError(f"{flag} {str(path)!r}: {exc.strerror or type(exc).__name__}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else \
+            "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a plain file"
+        raise ValueError(f"{flag} {str(path)!r} is {kind}; give a regular file")
     with os.fdopen(fd, "rb") as fh:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else \
-                "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "not a plain file"
-            raise ValueError(f"{flag} {str(path)!r} is {kind}; give a regular file")
         data = fh.read(max_bytes + 1)
     if len(data) > max_bytes:
         raise ValueError(f"{flag} {str(path)!r} is larger than {max_bytes} bytes")

@@ -18,7 +18,7 @@ import sys
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from .engine.args import engine_kwargs_from_args
+    from .engine.cli_flags import engine_kwargs_from_args
 
     try:
         from .llm import LLM
@@ -39,7 +39,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    from .engine.args import add_engine_arguments
+    from .engine.cli_flags import add_engine_arguments
 
     p = sub.add_parser("generate", help="complete one prompt and print the completion")
     p.add_argument("prompt", help="the prompt text")

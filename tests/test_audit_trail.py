@@ -174,7 +174,7 @@ def test_audit_level_setting_is_validated_and_has_a_serve_flag():
     with pytest.raises(ValueError, match="audit_level='verbose'"):
         EngineConfig(model="tiny-random", audit_level="verbose")
     from minikv.cli import build_parser
-    from minikv.engine.args import engine_kwargs_from_args
+    from minikv.engine.cli_flags import engine_kwargs_from_args
     args = build_parser().parse_args(["serve", "--model", "m", "--api-keys", "k.json", "--audit-level", "block"])
     assert engine_kwargs_from_args(args)["audit_level"] == "block"
 

@@ -15,7 +15,7 @@ import pytest
 
 from minikv.cli import build_parser, main
 from minikv.engine.lifecycle import VerifyHits
-from minikv.engine.args import engine_kwargs_from_args
+from minikv.engine.cli_flags import engine_kwargs_from_args
 
 ROOT = Path(__file__).resolve().parents[1]
 

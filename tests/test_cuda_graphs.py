@@ -20,7 +20,7 @@ import torch
 
 from minikv import LLM
 from minikv.engine import SamplingParams
-from minikv.engine.args import add_engine_arguments, engine_kwargs_from_args
+from minikv.engine.cli_flags import add_engine_arguments, engine_kwargs_from_args
 from minikv.backends.cuda_graphs import INPUTS, DecodeGraphRunner, batch_buckets, bucket, width_buckets
 from tests.engine_helpers import assert_traces_close
 

@@ -137,7 +137,7 @@ def test_the_abort_seam_runs_on_abort_only_and_removing_it_restores_the_engine(d
 
 
 def test_no_seam_is_reachable_from_the_command_line_the_server_or_the_config():
-    sources = [ROOT / "minikv" / "cli.py", ROOT / "minikv" / "engine" / "args.py",
+    sources = [ROOT / "minikv" / "cli.py", ROOT / "minikv" / "engine" / "cli_flags.py",
                *sorted((ROOT / "minikv" / "serve").rglob("*.py"))]
     pattern = re.compile("|".join(SEAMS) + r"|\bseams?\b", re.IGNORECASE)
     hits = [f"{p.relative_to(ROOT)}:{i}" for p in sources

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from minikv import LLM, SamplingParams, UnsafeSettingWarning
-from minikv.engine.args import add_engine_arguments, engine_kwargs_from_args
+from minikv.engine.cli_flags import add_engine_arguments, engine_kwargs_from_args
 from minikv.tiers import HostTier, make_tier
 from minikv.engine.lifecycle import LIFECYCLE, Transition
 from minikv.security.scrub import ScrubOnAlloc

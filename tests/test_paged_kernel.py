@@ -147,9 +147,9 @@ def test_registry_rules_for_the_kernel():
         resolve_backend("cpu_kernels", "cpu", 24, "float32")
 
 
-def test_the_old_name_paged_is_refused_naming_the_new_one():
+def test_the_old_name_paged_is_refused_naming_the_new_one(capsys):
     """``"paged"`` was this backend's name; it now says what it is (``"cpu_kernels"``), and the old
-    name fails at once, in one line naming the new one, from the config and from the registry."""
+    name fails at once, in one line naming the new one, from the config, the registry and the flag."""
     from minikv import LLM
 
     for refuse in (lambda: resolve_backend("paged", "cpu", 64, "float32"),
@@ -157,6 +157,16 @@ def test_the_old_name_paged_is_refused_naming_the_new_one():
         with pytest.raises(ValueError) as err:
             refuse()
         assert str(err.value) == "attention_backend='paged' is now called 'cpu_kernels'"
+    import argparse
+
+    from minikv.engine.cli_flags import add_engine_arguments
+
+    ap = argparse.ArgumentParser()
+    add_engine_arguments(ap)
+    assert ap.parse_args(["--model", "m", "--attention-backend", "cpu_kernels"]).attention_backend == "cpu_kernels"
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--model", "m", "--attention-backend", "paged"])
+    assert "--attention-backend: 'paged' is now called 'cpu_kernels'" in capsys.readouterr().err
 
 
 def test_auto_never_compiles(tmp_path):

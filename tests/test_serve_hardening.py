@@ -377,7 +377,7 @@ def test_llm_chat_refuses_control_tokens_too(tiny_path):
 
 def test_serve_flag_turns_the_quota_off_explicitly():
     from minikv.cli import build_parser
-    from minikv.engine.args import engine_kwargs_from_args
+    from minikv.engine.cli_flags import engine_kwargs_from_args
 
     for flag, value in (("unlimited", "unlimited"), ("8", 8)):
         args = build_parser().parse_args(["serve", "--model", "tiny-random", "--api-keys", "k.json",

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
-from ..engine.args import int_at_least, positive_int
+from ..engine.cli_flags import int_at_least, positive_int
 
 Registrar = Callable[["argparse._SubParsersAction"], None]
 

@@ -39,7 +39,7 @@ def _cmd_isolation(args: argparse.Namespace) -> int:
             if not args.model:
                 print("error: give --model M (in-process) or --base-url URL --api-keys FILE", file=sys.stderr)
                 return 1
-            from ..engine.args import engine_kwargs_from_args
+            from ..engine.cli_flags import engine_kwargs_from_args
             tenants = [t for t in args.tenants.split(",") if t]
             report = audit_engine(engine_kwargs_from_args(args), tenants=tenants, rounds=args.rounds,
                                   seed=args.seed_workload, prompt_words=args.prompt_words)
@@ -54,7 +54,7 @@ def _cmd_isolation(args: argparse.Namespace) -> int:
 
 def add_isolation_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     """Register ``audit isolation`` on the audit subparsers (see ``minikv.audit.cli``)."""
-    from ..engine.args import add_engine_arguments
+    from ..engine.cli_flags import add_engine_arguments
 
     p = sub.add_parser("isolation", help="concurrent multi-tenant isolation audit (engine or server)",
                        description="Check that no request is served from another tenant's cache, and that "

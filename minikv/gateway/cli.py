@@ -21,7 +21,7 @@ import os
 import secrets
 import sys
 
-from ..engine.args import positive_int
+from ..engine.cli_flags import positive_int
 from ..security.keys import read_secret_file
 from ..serve.cli import _add_limit_arguments, _is_loopback, limits_from_args
 

@@ -1,5 +1,5 @@
 """``minikv serve``: the server's own flags (limits, keys, addresses) next to the engine's
-(:mod:`minikv.engine.args`, shared with ``generate`` and ``audit isolation``).
+(:mod:`minikv.engine.cli_flags`, shared with ``generate`` and ``audit isolation``).
 
 This module imports only argparse (and those flags) at import time; the engine, FastAPI and
 uvicorn are imported when a command runs.
@@ -13,7 +13,7 @@ import logging
 import sys
 import time
 
-from ..engine.args import (add_engine_arguments, engine_kwargs_from_args, int_at_least, monitor_kwargs_from_args,
+from ..engine.cli_flags import (add_engine_arguments, engine_kwargs_from_args, int_at_least, monitor_kwargs_from_args,
                            positive_int)
 
 

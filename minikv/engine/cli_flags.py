@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from .config import ATTENTION_BACKENDS, CACHE_ISOLATION, DTYPES, HASH_ALGOS, TIER_KEYS
+from .config import ATTENTION_BACKENDS, CACHE_ISOLATION, DTYPES, HASH_ALGOS, RENAMED_BACKENDS, TIER_KEYS
 from .config import SCRUB_POLICIES as SCRUB
 from .config import SHARING_STRATEGIES
 _VERIFY = {"true": "IDENTITY", "false": "NOTHING", "tokens": "TOKENS"}  # --verify-hits -> VerifyHits
@@ -38,6 +38,13 @@ def _quota(text: str):
     return "unlimited" if text == "unlimited" else positive_int(text)
 
 
+def _backend_name(value: str) -> str:
+    """An ``--attention-backend`` value; an old name fails naming its new one."""
+    if value in RENAMED_BACKENDS:
+        raise argparse.ArgumentTypeError(f"{value!r} is now called {RENAMED_BACKENDS[value]!r}")
+    return value
+
+
 def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = True, monitor: bool = False) -> None:
     """Engine core + isolation policy flags (all default to the engine's own defaults).
     ``monitor``: offer ``--selective-strategy monitor``, for a command that hands the engine a
@@ -56,10 +63,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = True
     g.add_argument("--max-num-batched-tokens", type=positive_int, help="prefill token budget per step")
     g.add_argument("--max-model-len", type=positive_int, help="longest sequence (default: the model's)")
     g.add_argument("--kv-cache-memory-gb", type=float, help="KV pool budget when --num-blocks is not given")
-    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS,
-                   help="reference (explicit gather), fused (batched, per-step metadata), paged (fused + minikv's C++ "
-                        "kernels, CPU) or auto (default: paged on a CPU where the kernels are built and fit the model, "
-                        "else fused)")
+    g.add_argument("--attention-backend", type=_backend_name, choices=ATTENTION_BACKENDS,
+                   help="reference (explicit gather), fused (batched, per-step metadata), cpu_kernels (fused + "
+                        "minikv's C++ kernels, CPU), triton (CUDA) or auto (default: cpu_kernels on a CPU where the "
+                        "kernels are built and fit the model, else fused)")
     g.add_argument("--enforce-eager", action="store_true", default=None,
                    help="never capture CUDA graphs for decode or one-prefill steps (default: captured on CUDA)")
     s = p.add_argument_group("cache policy")

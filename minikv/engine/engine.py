@@ -29,20 +29,13 @@ from .device import resolve_device
 from .kv_pool import KVPool, bytes_per_token
 from .lifecycle import LIFECYCLE, Transition
 from .loader import eos_token_ids, resolve_dtype
-from .model_runner import ReferenceBackend, score_tokens
+from .model_runner import reference_only, score_tokens
 from .outputs import RequestOutput
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .seams import EngineSeams
 from .sequence import Sequence, SequenceStatus, common_prefix_len, stop_reason
 from .snapshot import PoolSnapshot, capture
-
-
-def _reference_only(name: str) -> ReferenceBackend:
-    if name not in ("reference", "auto"):
-        raise ValueError(f"attention_backend={name!r} needs make_backend= (minikv.LLM passes "
-                         "minikv.backends.make_backend); this engine alone runs 'reference'")
-    return ReferenceBackend()
 
 
 class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.py), all off by default
@@ -55,11 +48,9 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
         ``open_trail(config, operator_key) -> trail | None`` opens the audit trail named by
         ``config.audit_log`` (``minikv.llm.open_trail`` builds a ``minikv.audit.trail.AuditTrail``).
         ``make_backend(engine) -> Backend`` picks how the forward pass runs (``model_runner.Backend``;
-        ``minikv.backends.make_backend`` for the fast paths); without it the engine runs its own
-        ``ReferenceBackend``, and refuses an ``attention_backend`` other than "reference" or "auto".
-        ``attach``: callables ``attach(engine)`` run once the block manager exists; each plugs a
-        component in through its hooks (``minikv.tiers.attach_tiers`` sets the block manager's
-        ``kv_connector`` and adds a listener).  A fork runs the same ones.
+        without it, ``model_runner.reference_only``).  ``attach``: callables ``attach(engine)`` run
+        once the block manager exists, each plugging a component in through hooks (KV tiers,
+        selective sharing).  A fork gets the same ones.
         ``minikv.LLM(name, ...)`` does all this for you: it is the one place they are composed."""
         self.config = c = config if config is not None else EngineConfig(**kwargs)
         self.device = resolve_device(c.device)
@@ -81,7 +72,7 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
         scrubber = c.scrubber if c.scrubber is not None else make_scrubber(c.scrub)
         self.scrubber = scrubber
         self._make_backend = make_backend
-        self.backend = make_backend(self) if make_backend is not None else _reference_only(c.attention_backend)
+        self.backend = make_backend(self) if make_backend is not None else reference_only(c.attention_backend)
         self.attention_backend = self.backend.name
         self.pool = KVPool(s.num_layers, self.num_blocks, c.block_size, s.num_kv_heads, s.head_dim,
                            self.dtype, self.device, memory=self.backend.memory)
@@ -103,8 +94,7 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
             raise ValueError(f"kv_tiers={c.kv_tiers!r} needs the tiers attached: build the engine with "
                              "minikv.LLM, or pass attach=(minikv.tiers.attach_tiers,)")
         if c.cache_isolation == "selective" and c.enable_prefix_caching and self.sharing is None:
-            raise ValueError("cache_isolation='selective' needs its strategy attached: build the engine with "
-                             "minikv.LLM, or pass attach=(minikv.sharing.attach_sharing,)")
+            raise ValueError("cache_isolation='selective' needs attach=(minikv.sharing.attach_sharing,) (minikv.LLM passes it)")
         # Fingerprints in the trail are keyed with the operator key; a fork inherits it (``fork``).
         self._operator_key = derive_operator_key(self._secret)
         self.audit = open_trail(c, self._operator_key) if open_trail is not None else None

@@ -111,6 +111,15 @@ class ReferenceBackend:
 REFERENCE = ReferenceBackend()
 
 
+def reference_only(name: str) -> ReferenceBackend:
+    """The backend of an engine handed no ``make_backend``: the reference, which is what
+    ``attention_backend="auto"`` can mean there; any other name needs the fast paths."""
+    if name not in ("reference", "auto"):
+        raise ValueError(f"attention_backend={name!r} needs make_backend= (minikv.LLM passes "
+                         "minikv.backends.make_backend); this engine alone runs 'reference'")
+    return ReferenceBackend()
+
+
 def run_model(engine, prefills: list[Sequence], decodes: list[Sequence], all_rows: bool = False) -> torch.Tensor:
     """The engine's forward pass over one batch, through its backend.  An engine with a test-only
     seam installed (``seams.py``) runs the reference: the seams hook into its explicit gather."""

@@ -117,6 +117,13 @@ def _verdict(guess, card: dict, key: dict, lab: str) -> None:
                "the block they test ends, and no probe ever hit a victim block past the known prefix",
                "the server always computes the last prompt token: what must a probe hold after the "
                "block it tests?")
+    spans = len(_blocks(card))
+    if lab == "L1" and spans > 1 and key["requests"] == spans:
+        expect(False, why + f"; your attack took the first probe of each of the {spans} blocks as a hit, though "
+               "that probe's cached tokens need not reach the end of the block it tests (bug class: hit threshold "
+               "one block too low -- the known blocks before it pass the test alone)",
+               "which cached_tokens count proves that the tested block itself was a hit, and not only the blocks "
+               "before it?")
     if key["self_primed"]:
         expect(False, why + f"; {key['self_primed']} of your {key['requests']} answers came from your own "
                "earlier probes (self-priming)",

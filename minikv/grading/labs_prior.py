@@ -22,7 +22,9 @@ figures the grader computes exactly from the revealed secrets:
 * the exhaustive search (:func:`exhaustive_cost`): fillings in the alphabet's order, L1's baseline.
 
 A pass recovers every secret, confirms it through the oracle (some probe hit the victim's last secret
-block), and costs at most :data:`TOLERANCE` times the reference's median.  Fewer probes than blocks on
+block), and costs at most :data:`TOLERANCE` times what a ranking by the prior spends at worst on the same
+secrets (:func:`dearest_ranked_cost`, summed: a median of five secrets lets a ranking that reads half the
+model through on a lucky draw).  Fewer probes than blocks on
 the median secret is refused as a side door: a block costs less than its own probe only when a probe that
 tested the block before it also carried its right filling, and under this prior the reference's first try
 is right for every block of a secret on about 1 secret in 180.
@@ -41,8 +43,12 @@ SUFFIX = ". Keep it safe."
 #: the lesson's and the tests' secrets, one per victim (a graded run draws fresh ones instead)
 SEEDS = (11, 12, 13, 14, 15)
 RUNS = len(SEEDS)
-#: the pass band: at most this many times the reference's median probes per token
-TOLERANCE = 1.5
+#: the pass band: at most this many times :func:`dearest_ranked_cost` summed over the victims -- what a ranking
+#: by the prior spends at worst on the same secrets, whatever order it gives fillings of equal probability.
+#: So every right ranking passes on every draw, and no slack is needed for tie orders; a wrong key (the
+#: first character alone, no context) pays for the part of the model it never reads, and passes only on a
+#: draw of five secrets whose blocks its order happens to get right.
+TOLERANCE = 1.0
 #: a median at or above this fraction of the exhaustive search's is "not using the prior"
 UNRANKED = 0.8
 #: the text the bigram model is counted on (its characters are exactly ALPHABET)
@@ -109,6 +115,18 @@ def ranked_cost(card: dict, secret: str) -> int:
     return total
 
 
+def dearest_ranked_cost(card: dict, secret: str) -> int:
+    """The most a ranking by the prior can spend on ``secret``: per block, the fillings at least as probable
+    as the true one, itself included (all its ties tried first).  Probabilities within a relative 1e-9
+    count as equal: a product and a sum of logs order such fillings differently."""
+    a, total = card["alphabet"], 0
+    for before, fill in _blocks(card, secret):
+        p = _probability(card["prior"], before, fill) * (1 - 1e-9)
+        total += sum(_probability(card["prior"], before, g) >= p
+                     for g in map("".join, itertools.product(a, repeat=len(fill))))
+    return total
+
+
 def exhaustive_cost(card: dict, secret: str) -> int:
     """Probes of L1's exhaustive search for ``secret``: per block, 1 + the true filling's index in
     the alphabet's order."""
@@ -161,12 +179,13 @@ def run_all(fn, timeout: float, seeds=None) -> tuple[list, list[dict], list[dict
 @grader("order each block's fillings by the prior; see the lab's docstring")
 def check_ranked_guesser(guess_secret, *, timeout: float = 120.0, seeds=None) -> str:
     guesses, cards, keys = run_all(guess_secret, timeout, seeds)
-    mine, ref, exh, probes = [], [], [], []
+    mine, ref, exh, probes, dearest = [], [], [], [], []
     for guess, card, key in zip(guesses, cards, keys):
         _verdict(guess, card, key)
         n = card["secret_len"]
         mine.append(key["requests"] / n)
         ref.append(ranked_cost(card, key["secret"]) / n)
+        dearest.append(dearest_ranked_cost(card, key["secret"]))
         exh.append(exhaustive_cost(card, key["secret"]) / n)
         probes.append(key["requests"])
     m, r, e = statistics.median(mine), statistics.median(ref), statistics.median(exh)
@@ -181,8 +200,9 @@ def check_ranked_guesser(guess_secret, *, timeout: float = 120.0, seeds=None) ->
     expect(m < UNRANKED * e, f"recovered every secret, {figures}: about what an exhaustive search pays (bug class: "
            "not using the prior)", "the card carries a model of the victim's text: what does it say each block "
            "most likely holds?")
-    expect(m <= TOLERANCE * r, f"recovered every secret, {figures}: {m / r:.2f}x the reference, over the "
-           f"{TOLERANCE}x band (bug class: wrong ranking key)",
+    total = sum(probes) / sum(dearest)
+    expect(total <= TOLERANCE, f"recovered every secret, {figures}: {total:.2f}x the most a ranking by the model "
+           f"spends on the same {len(cards)} secrets, over the {TOLERANCE}x band (bug class: wrong ranking key)",
            "which probability orders your candidates: of one character alone, or of what the block holds, and "
            "given which text?")
     return f"recovered {len(cards)} secrets of {cards[0]['secret_len']} characters: {figures}; score {r / m:.2f}x"

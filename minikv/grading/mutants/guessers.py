@@ -67,6 +67,23 @@ def guesser_unigram(card):
     return _ranked_search(card, lambda before, fillings: sorted(fillings, key=key))
 
 
+def guesser_first_char_only(card):
+    """Ranks a block's fillings by the probability of their FIRST character alone (given the text before):
+    right for blocks of one unknown, but the second character of a two-character block is tried in the
+    alphabet's order, so every block pays for the half of the model it never reads."""
+    return _ranked_search(card, lambda before, fillings: sorted(
+        fillings, key=lambda g: -card["prior"][before[-1]][g[0]]))
+
+
+def guesser_ties_reversed(card):
+    """NEGATIVE CONTROL (correct): the model's order, with fillings of equal probability taken in the
+    reverse of the alphabet's order -- a right ranking that is not the reference's; the grader must
+    ACCEPT it."""
+    a = card["alphabet"]
+    return _ranked_search(card, lambda before, fillings: sorted(
+        fillings, key=lambda g: (-_chain(card["prior"], before, g), [-a.index(c) for c in g])))
+
+
 def guesser_stale_context(card):
     """Scores every block as if it followed the prefix (the context is never updated with what was
     recovered): right for the first block only."""
@@ -124,9 +141,9 @@ def guesser_replays_confirmed(card):
 L4_MUTANTS = entries(("exhaustive", guesser_exhaustive), ("reverse", guesser_reverse), ("unigram", guesser_unigram),
                      ("stale_context", guesser_stale_context), ("depth_first", guesser_depth_first),
                      ("stops_early", guesser_stops_early), ("replays_unconfirmed", guesser_replays_unconfirmed),
-                     ("replays_confirmed", guesser_replays_confirmed))
+                     ("replays_confirmed", guesser_replays_confirmed), ("first_char_only", guesser_first_char_only))
 
 #: L4 mutant -> words its verdict must contain (the bug class it names)
 L4_DIAGNOSES = {"exhaustive": "not using the prior", "reverse": "ranks in reverse", "unigram": "wrong ranking key",
                 "stale_context": "wrong ranking key", "depth_first": "wrong ranking key", "stops_early": "stops early",
-                "replays_unconfirmed": "side door", "replays_confirmed": "side door"}
+                "replays_unconfirmed": "side door", "replays_confirmed": "side door", "first_char_only": "wrong ranking key"}

@@ -62,6 +62,23 @@ def oracle_char_by_char(card):
     return found
 
 
+def oracle_threshold_one_block_low(card):
+    """Takes a probe as a hit when its cached tokens reach the START of the block it tests (``end -
+    block_size``): the known blocks before it pass that test alone, so the first candidate of every block
+    'wins' (diagnosed as self-priming before, which it is not)."""
+    found = ""
+    with OracleClient(card) as oracle:
+        while len(found) < card["secret_len"]:
+            head, end, u, tail = _next_block(card, found)
+            for g in itertools.product(card["alphabet"], repeat=u):
+                if oracle.cached_tokens(head + "".join(g) + tail + "#") >= end - card["block_size"]:
+                    found += "".join(g)
+                    break
+            else:
+                found += card["alphabet"][0] * u
+    return found
+
+
 def oracle_hard_coded(card):
     """Returns the secret that worked once (a fixed answer): the grader draws a fresh one."""
     with OracleClient(card) as oracle:
@@ -199,7 +216,8 @@ def detect_flags_victim(records, block_size, threshold=8):
 
 LAB_MUTANTS = {
     "L1": entries(("no_filler", oracle_no_filler), ("double_check", oracle_double_check),
-                  ("hard_coded", oracle_hard_coded), ("char_by_char", oracle_char_by_char)),
+                  ("hard_coded", oracle_hard_coded), ("char_by_char", oracle_char_by_char),
+                  ("threshold_one_block_low", oracle_threshold_one_block_low)),
     "L2": entries(("back_to_back", timing_back_to_back), ("rounds_no_flush", timing_rounds_no_flush),
                   ("hard_coded", timing_hard_coded)),
     "L3": entries(("counts_requests", detect_counts_requests), ("across_tenants", detect_across_tenants),

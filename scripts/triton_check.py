@@ -4,7 +4,7 @@
     .venv/bin/python scripts/triton_check.py --device cuda                                   # GPU
 
 For each kind of step -- fresh prefills, prefix hits, decodes, and all three mixed in one call --
-the same random queries and new K/V go through ``attention.paged_attention`` (the reference the
+the same random queries and new K/V go through ``attention.gather_attention`` (the reference the
 lessons read: gather the blocks, mask, SDPA), which writes them into a pool whose other slots
 hold random stale K/V, and then through ``paged_triton.paged_attention``, which reads that pool
 in place through the same block tables (shuffled: a sequence's blocks are never adjacent).  The
@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from minikv.engine.attention import AttentionMetadata, PrefillItem, paged_attention as reference
+from minikv.engine.attention import AttentionMetadata, PrefillItem, gather_attention as reference
 from minikv.engine.kv_pool import KVPool, slot_of
 from minikv.backends.paged_triton import paged_attention
 

@@ -70,7 +70,18 @@ class Sha256Hasher:
         check_secret(secret)  # unused, but every hasher is built the same way
 
     def __call__(self, parent, tokens, extra, tenant_key):
+        check_block_fields(parent, tokens)
         return hashlib.sha256(encode_fields(BLOCK_DOMAIN, parent, tuple(tokens), tuple(extra), tenant_key)).digest()
+
+
+def check_block_fields(parent, tokens) -> None:
+    """A key exists only for what the engine produces: a parent key (bytes) or None, and int token ids.
+    Anything else (a str parent, True for 1) is the caller's bug, refused rather than keyed."""
+    if parent is not None and not isinstance(parent, bytes):
+        raise TypeError(f"parent must be bytes or None, got {parent!r}")
+    for t in tokens:
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise TypeError(f"token ids must be int, got {t!r}")
 
 
 class _KeyedHasher:

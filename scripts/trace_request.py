@@ -59,10 +59,20 @@ def markdown(files: list[tuple[str, int]]) -> str:
     return "\n".join(rows)
 
 
+def update_doc(files, doc: Path = ROOT / "docs" / "ARCHITECTURE.md") -> None:
+    """Replace the map in ``doc`` (from its header row to its totals row) with the live trace."""
+    text = doc.read_text(encoding="utf-8")
+    start = text.index("| # | file | lines |")
+    end = text.index("\n", text.index("| | **", start))
+    doc.write_text(text[:start] + markdown(files) + text[end:], encoding="utf-8")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", action="store_true", help="print JSON: {files: [[path, lines]], total}")
     ap.add_argument("--markdown", action="store_true", help="print the table docs/ARCHITECTURE.md quotes")
+    ap.add_argument("--update-doc", action="store_true",
+                    help="rewrite that table inside docs/ARCHITECTURE.md in place")
     args = ap.parse_args(argv)
     files = trace()
     total = sum(n for _, n in files)
@@ -71,6 +81,9 @@ def main(argv=None) -> int:
         return 0
     if args.markdown:
         print(markdown(files))
+        return 0
+    if args.update_doc:
+        update_doc(files)
         return 0
     for path, n in files:
         print(f"{n:6d}  {path}")

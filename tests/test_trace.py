@@ -42,7 +42,7 @@ def test_architecture_quotes_the_trace_as_it_is(files):
     doc = (ROOT / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
     quoted = re.findall(r"^\| \d+ \| `([^`]+)` \| (\d+) \|$", doc, flags=re.M)
     assert [(p, int(n)) for p, n in quoted] == files, (
-        "docs/ARCHITECTURE.md's map is stale: paste `python scripts/trace_request.py --markdown` into it")
+        "docs/ARCHITECTURE.md's map is stale: run `python scripts/trace_request.py --update-doc`")
 
 
 @pytest.mark.xfail(strict=True, reason="the trace is still over the bar (docs/ARCHITECTURE.md gives the "

@@ -204,8 +204,6 @@ def test_key_layout_engine_run_sees_both_directions_and_catches_leaks_alone():
     assert not log.leaks and sum(over) / sum(sizes) < kl.reference_hit_rate() - 0.05
 
 
-@pytest.mark.xfail(reason="known gap: 3b's new offload clause rejects the solutions' scrub_action in the engine stage "
-                   "(offloaded K/V left in the pool); grader or solution to be reconciled", strict=False)
 def test_engine_stages_pass_the_solutions():
     from solutions.ex1_chained_hash import chained_block_hash
     from solutions.ex2_tenant_keys import TenantKeyedHasher, block_keys, derive_tenant_key
@@ -218,9 +216,15 @@ def test_engine_stages_pass_the_solutions():
     cached, _ = scrubbing.engine_stage_placement(scrub_action)
     assert sum(cached) > 0, "the scrubber workload must include cache hits"
 
-    def on_alloc(transition, seq):  # the other correct placement: zero on the way OUT of the free list
-        return "zero" if transition == "allocate" else "keep"
+    def on_alloc(transition, seq):  # the other correct placement: zero on the way OUT of the free list,
+        # and, since the tier clause wants no plaintext left behind a sealed copy, on offload too
+        return "zero" if transition in ("allocate", "offload") else "keep"
     scrubbing.engine_stage_placement(on_alloc)
+
+    def on_alloc_only(transition, seq):  # wrong under the tier clause: an offloaded block's K/V wait,
+        return "zero" if transition == "allocate" else "keep"  # in plaintext, on the free list
+    with pytest.raises(CheckFailed, match="offloaded K/V left in the pool"):
+        scrubbing.engine_stage_placement(on_alloc_only)
 
 
 def test_the_engines_reference_is_what_the_course_teaches(capsys):

@@ -106,3 +106,18 @@ def test_gateway_secret_and_upstream_key_files(tmp_path, keys, capsys):
     assert main(["gateway", "--upstream", "http://127.0.0.1:9/v1", "--api-keys", str(keys),
                  "--upstream-key-file", str(fifo)]) == 1
     assert f"--upstream-key-file '{fifo}' is a FIFO" in _one_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("salts", [False, True])
+def test_serve_refuses_a_tenant_named_like_a_salted_domain(tmp_path, salts):
+    """A tenant called ``bob#salt-x`` would spend bob's tier quota and report as bob: refused
+    whether or not client salts are trusted, in one line naming the tenant and the flag."""
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"sk-a": "alice", "sk-e": "bob#salt-x"}))
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    argv = [sys.executable, "-m", "minikv", "serve", "--model", "tiny-random", "--api-keys", str(path)]
+    proc = subprocess.run(argv + (["--trust-client-salt"] if salts else []), env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 1
+    line = _one_line(proc.stderr)
+    assert "'bob#salt-x'" in line and "'bob'" in line and "--api-keys" in line, line

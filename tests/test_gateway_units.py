@@ -136,8 +136,8 @@ def test_serve_client_salt_domains():
             client_salt({"cache_salt": bad})
     with pytest.raises(APIError, match="at most"):
         client_salt({"cache_salt": "x" * 5000})
-    with pytest.raises(ValueError, match="reserves"):
-        check_tenant_names(["alice", "eve#salt-0123"])
+    with pytest.raises(ValueError, match="^--api-keys: tenant name 'eve#salt-0123'.* reserves"):
+        check_tenant_names(api_keys=["alice", "eve#salt-0123"])
 
 
 def test_tokenizer_follows_the_upstream_model():

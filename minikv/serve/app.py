@@ -141,8 +141,8 @@ def create_app(llm_or_engine, api_keys: ApiKeys | Mapping[str, str], *, model_na
     keys, ops, gateways = _keys(api_keys), _keys(operator_keys), _keys(gateway_keys)
     check_disjoint(api_keys=keys, operator_keys=ops, gateway_keys=gateways)
     resolve_tenant = TenantResolver(keys, gateways)
-    if trust_client_salt:
-        check_tenant_names(keys.tenants)
+    check_tenant_names(**{flag: k.tenants for flag, k in (("api_keys", keys), ("gateway_keys", gateways))
+                          if k is not None})  # whether or not salts are trusted
     limits = limits if limits is not None else ServeLimits()
     limiter = TenantLimiter(limits)
     metrics = metrics if metrics is not None else ServerMetrics()

@@ -59,9 +59,16 @@ def salted_domain(tenant: str, salt: str | None) -> str:
     return f"{tenant}{SALT_MARK}{digest}"
 
 
-def check_tenant_names(tenants) -> None:
-    """Refuse tenant names that could be mistaken for a salted domain (ValueError)."""
-    bad = sorted(t for t in tenants if SALT_MARK in t)
-    if bad:
-        raise ValueError(f"tenant name {bad[0]!r} contains {SALT_MARK!r}, which --trust-client-salt reserves "
-                         "for salted domains; rename it")
+def check_tenant_names(**tenant_lists) -> None:
+    """Refuse tenant names that could be mistaken for a salted domain (ValueError).
+
+    Refused whether or not salts are trusted: tier quotas and ``/metrics`` charge a domain to the
+    part before the mark (:func:`minikv.security.domains.tenant_of`), so a tenant named
+    ``"bob#salt-x"`` would spend bob's tier quota and report under bob's label.  Each keyword
+    names a keys flag (``api_keys`` is ``--api-keys``) and gives its tenant names."""
+    for flag, tenants in tenant_lists.items():
+        bad = sorted(t for t in tenants if SALT_MARK in t)
+        if bad:
+            raise ValueError(f"--{flag.replace('_', '-')}: tenant name {bad[0]!r} contains {SALT_MARK!r}, which "
+                             f"minikv reserves for salted domains (it would be counted as tenant "
+                             f"{bad[0].partition(SALT_MARK)[0]!r}); rename it")

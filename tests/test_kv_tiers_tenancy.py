@@ -145,6 +145,39 @@ def test_a_tier_hit_on_the_same_instance_names_the_tenant_who_wrote_it(tmp_path)
     assert [c[0] for c in cross] == ["bob"] and "'alice'" in cross[0][1], cross
 
 
+# ---------------------------------------------------------------- a flood in a full host tier
+def test_a_full_host_tier_evicts_the_biggest_holder_first():
+    h = HostTier(10 * 8)  # room for ten 8-byte values
+    for i in range(3):
+        assert h.put(b"alice%d" % i, b"a" * 8, "tag-alice")
+    for i in range(50):  # a flood: many more values than the tier holds
+        assert h.put(b"mallory%d" % i, b"m" * 8, "tag-mallory")
+    assert all(h.get(b"alice%d" % i) == b"a" * 8 for i in range(3))  # alice's survive
+    assert h.nbytes == 80 and len(h) == 10 and h.stats["dropped"] == 43
+    assert h.get(b"mallory49") and not h.get(b"mallory42")  # mallory loses her own oldest
+    h.put(b"mallory50", b"m" * 8, "tag-mallory")
+    assert h.get(b"mallory43") is None and h.get(b"alice0")  # ... still her own, one at a time
+    h.evict(b"alice1")
+    assert h.nbytes == 72 and h.get(b"alice1") is None
+    for i in range(20):  # once alice holds the most, she is the one who pays
+        h.put(b"alice-more%d" % i, b"a" * 8, "tag-alice")
+    assert h.get(b"mallory50") and sum(h.get(b"mallory%d" % i) is not None for i in range(51)) == 5
+
+
+def test_another_instances_flood_through_a_shared_store_leaves_alices_blocks():
+    store = HostTier(1 << 20, name="store", when="store")
+    a, b = engine(["host", store]), engine(["host", store])
+    send(a, "alice")
+    store.capacity = 12 * (store.nbytes // len(store))  # room for alice's 5 blocks and 7 more
+    for i in range(6):  # mallory floods from the other instance, 5 fresh blocks a request
+        send(b, "mallory", list(range(40 + 20 * i, 60 + 20 * i)))
+    assert store.stats["dropped"] >= 18
+    c = engine(["host", store])  # a third instance: every hit it gets comes from the store
+    assert send(c, "alice").num_cached_tokens == 16  # alice's blocks survived the flood
+    assert send(c, "mallory", list(range(140, 160))).num_cached_tokens == 16  # mallory keeps her newest...
+    assert send(c, "mallory", list(range(40, 60))).num_cached_tokens == 0  # ...and lost her own oldest
+
+
 # ---------------------------------------------------------------- bad tier specs
 BAD = ["host?mib=inf", "host?mib=1e30", "host?mib=nan", "host?mib=0", "redis://127.0.0.1:6390/0?budget_mib=inf",
        "redis://127.0.0.1:6390/99", "redis://127.0.0.1:6390/abc", "redis://127.0.0.1:99999/0",

@@ -5,7 +5,7 @@ HiCache move blocks into host memory and into remote stores shared by many insta
 one seam for that, :class:`KVTier`, below the block manager (its KV connector is the tier link,
 :mod:`~minikv.tiers.link`, which the composition root ``minikv.LLM`` attaches)::
 
-    pool (hash table, LRU) --evict--> host tier (this process, bounded, LRU)
+    pool (hash table, LRU) --evict--> host tier (this process, bounded, LRU per tenant)
           |                 --store--> redis tier (shared by instances; TTL, per-tenant budget)
           '<--onload-- the first tier holding the key, on a pool miss
 
@@ -62,10 +62,17 @@ class KVTier(Protocol):
 
 
 class HostTier:
-    """A bounded in-process tier: an LRU of values, ``capacity`` bytes in all.
+    """A bounded in-process tier: ``capacity`` bytes in all, evicting the biggest holder first.
 
     Holds sealed (encrypted) values even though it is in-process: a core dump or a debug endpoint
     of a host tier then leaks nothing either, and a block moves between tiers without re-sealing.
+
+    When full, it drops the least recently used value *of the tenant holding the most bytes*,
+    not the oldest value overall.  A plain LRU lets one tenant's flood push every other tenant's
+    blocks out (the tier-level prime-and-probe, and a cache-flooding denial of service); this way
+    a flood only evicts the flooder, and a tenant holding less than its neighbours keeps its
+    blocks.  Tenants are the opaque tags the tier link passes (``tenant_tag``), so the tier still
+    learns no names.
 
     ``name`` and ``when`` default to the host tier's; ``HostTier(n, name="store", when="store")``
     is an in-process stand-in for a shared store (written on ``store``, like the Redis tier), for
@@ -80,19 +87,24 @@ class HostTier:
             raise ValueError(f"a tier's when must be one of {', '.join(WHEN)}, got {show(when)}")
         self.name, self.when = name, when
         self.capacity, self.nbytes = capacity, 0
-        self._values: OrderedDict[bytes, bytes] = OrderedDict()
+        self._values: OrderedDict[bytes, bytes] = OrderedDict()  # every value, least recently used first
+        self._owner: dict[bytes, str] = {}  # key -> the tag of the tenant who wrote it
+        self._lru: dict[str, OrderedDict[bytes, None]] = {}  # tag -> its keys, least recently used first
+        self._held: dict[str, int] = {}  # tag -> bytes it holds
         self.stats = dict(puts=0, hits=0, misses=0, dropped=0)
 
     def put(self, key: bytes, value: bytes, tenant_tag: str) -> bool:
         if len(value) > self.capacity:
             return False
         self.evict(key)
-        self._values[key] = value
+        self._values[key], self._owner[key] = value, tenant_tag
+        self._lru.setdefault(tenant_tag, OrderedDict())[key] = None
+        self._held[tenant_tag] = self._held.get(tenant_tag, 0) + len(value)
         self.nbytes += len(value)
         self.stats["puts"] += 1
-        while self.nbytes > self.capacity:  # the oldest values go first
-            _, old = self._values.popitem(last=False)
-            self.nbytes -= len(old)
+        while self.nbytes > self.capacity:
+            biggest = max(self._held, key=self._held.__getitem__)
+            self.evict(next(iter(self._lru[biggest])))
             self.stats["dropped"] += 1
         return True
 
@@ -102,13 +114,20 @@ class HostTier:
             self.stats["misses"] += 1
             return None
         self._values.move_to_end(key)
+        self._lru[self._owner[key]].move_to_end(key)
         self.stats["hits"] += 1
         return value
 
     def evict(self, key: bytes) -> None:
         old = self._values.pop(key, None)
-        if old is not None:
-            self.nbytes -= len(old)
+        if old is None:
+            return
+        tag = self._owner.pop(key)
+        del self._lru[tag][key]
+        self._held[tag] -= len(old)
+        if not self._lru[tag]:
+            del self._lru[tag], self._held[tag]
+        self.nbytes -= len(old)
 
     def items(self) -> list[tuple[bytes, bytes]]:
         """Every ``(key, value)``, oldest first: what a reader of this memory (a dump) sees."""
@@ -117,6 +136,9 @@ class HostTier:
     def clear(self) -> None:
         """Forget everything (a restart of the process, in tests)."""
         self._values.clear()
+        self._owner.clear()
+        self._lru.clear()
+        self._held.clear()
         self.nbytes = 0
 
     def __len__(self) -> int:

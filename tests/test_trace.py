@@ -29,7 +29,7 @@ def files():
 def test_the_trace_is_the_textbook_path(files):
     paths = [p for p, _ in files]
     for step in ("llm.py", "engine/engine.py", "engine/scheduler.py", "engine/block_manager.py",
-                 "engine/prefix_index.py", "engine/model_runner.py", "engine/model.py",
+                 "engine/prefix_cache.py", "engine/model_runner.py", "engine/model.py",
                  "engine/attention.py", "engine/sampling.py", "engine/outputs.py"):
         assert f"minikv/{step}" in paths, (step, paths)
     assert not [p for p in paths if p.startswith(("minikv/backends/", "minikv/tiers/", "minikv/sharing/"))], paths

@@ -1,101 +1,53 @@
 """The block manager: which physical KV block holds which tokens, for whom.
 
-It is torch-free on purpose.  Everything interesting about KV-cache *security* is decided
-here, by bookkeeping alone: who may hit which cached block, when a freed block is reused, and
-when its old contents must be scrubbed.  The tensors live in :class:`~minikv.engine.kv_pool.KVPool`.
-
-Two halves, one object.  This module holds the *physical* side: free list, reference counts,
-allocation, release, and ``commit`` after a model step.  The prefix-cache index -- hashing,
-lookup and its identity check, the hash table, the LRU of cached blocks, eviction and the
-per-tenant quota -- is :class:`~minikv.engine.prefix_index.PrefixIndex`, mixed in.
+It is torch-free on purpose: who may hit which cached block, when a freed block is reused and
+when its old contents must be scrubbed are decided here, by bookkeeping alone (the tensors live in
+:class:`~minikv.engine.kv_pool.KVPool`).  It holds the *physical* side -- free list, reference
+counts, allocation, release, eviction, ``commit`` after a model step -- and owns a
+:class:`~minikv.engine.prefix_cache.PrefixCache` (``prefix_cache``), which it asks which
+registered block already holds a request's tokens, and which cached block should go first.
 
 Every physical block is in exactly one of the states of :mod:`~minikv.engine.lifecycle`:
 
 * **used**   -- ``ref_count > 0``: in the block table of one or more running sequences;
-* **cached** -- ``ref_count == 0`` but registered in ``hash_table``: its K/V are kept so that a
-  later request with the same prefix (in the same isolation domain) can *hit* it; these are the
-  *evictable* blocks, in LRU order in ``cached`` (a :class:`~minikv.engine.lru.CachedLRU`);
+* **cached** -- ``ref_count == 0`` but registered in ``hash_table``: kept so that a later request
+  with the same prefix (in the same isolation domain) can *hit* it; the *evictable* blocks, in
+  the prefix cache's LRU order (``cached``), evicted lazily when the free list is empty;
 * **free**   -- ``ref_count == 0`` and unregistered: on ``free_ids``, contents meaningless.
 
-Cached blocks are evicted lazily, only when a request needs a block and the free list is empty
-(the order, and the per-tenant quota: :mod:`~minikv.engine.prefix_index`).
-
-Two requests with the same prefix admitted in one step both compute it; ``commit`` keeps one
-copy and frees the other, the second request *adopting* the first's (see its docstring), so a
-repeat of the batch hits every shared block.
-
-Every bookkeeping path is linear: a block is hashed once, a hit verifies one block's tokens, and
-``commit`` visits only the blocks the last step filled.  ``work`` counts the tokens each of them
-touched, so tests can check the scaling by counting, not timing.
-
-Each state change is announced to ``listeners`` as ``(transition, block_ids, seq)``, with a
-:class:`~minikv.engine.lifecycle.Transition`; the engine's listener turns it into a scrub and an
-audit record (``LLMEngine._on_block_event``).  An ``evict`` names the sequence that caused it
-(the one allocating, or the one whose tenant went over quota); only an operator's
-``evict_cached`` passes None.
+Every bookkeeping path is linear (a block is hashed once, a hit verifies one block, ``commit``
+visits only the blocks the last step filled); ``work`` counts the tokens each touched, so tests
+check the scaling by counting, not timing.  Each state change is announced to ``listeners`` as
+``(transition, block_ids, seq)`` (a :class:`~minikv.engine.lifecycle.Transition`); an ``evict``
+names the sequence that caused it, and only an operator's ``evict_cached`` passes None.
 """
 from __future__ import annotations
 
 from collections import Counter, deque
-from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable
 
 from .invariants import check_block_manager
-from .lifecycle import BlockIdentity, Transition, VerifyHits
-from .prefix_index import ALL_TENANTS, PrefixIndex
+from .kv_connector import NoConnector
+from .lifecycle import Block, BlockIdentity, Transition, VerifyHits
+from .prefix_cache import PrefixCache
 from .sequence import Sequence
 
-__all__ = ["ALL_TENANTS", "Block", "BlockManager", "Found", "NoConnector"]  # ALL_TENANTS: prefix_index's
+ALL_TENANTS = object()  # "no tenant filter" (None is a real tenant: the anonymous one)
 
 
-@dataclass(eq=False)
-class Block:
-    block_id: int
-    ref_count: int = 0
-    hash: bytes | None = None  # set while registered (store .. evict)
-    identity: BlockIdentity | None = None  # what a hit on it must match; set with ``hash``
-    generation: int = 0  # bumped each time the block is handed out fresh
-    num_tokens: int = 0
-    writer_request: str | None = None
-    writer_tenant: str | None = None
-    public: bool = False
-
-    @property
-    def ref(self) -> tuple[int, int]:
-        """This block as a parent: a recycled block (new generation) is a different parent."""
-        return (self.block_id, self.generation)
+def _from_prefix_cache(name: str) -> property:
+    return property(lambda self: getattr(self.prefix_cache, name), doc=f"``prefix_cache.{name}``")
 
 
-class Found(NamedTuple):
-    """What a connector found for a pool miss: ``data`` (its own, handed back to its ``load``) and
-    the tenant who wrote the block, as this engine should record it (the trail's writer)."""
-    data: object
-    writer_tenant: str | None
+class BlockManager:
+    """Free list and reference counts for a pool of ``num_blocks`` blocks, and its prefix cache."""
 
-
-class NoConnector:
-    """The KV connector of a pool that is the whole cache: below it there is nothing.
-
-    A connector (vLLM's name for what moves KV blocks between the pool and elsewhere: host memory,
-    a shared store) is the block manager's one hook below the pool.  ``offload`` runs just before
-    a request's need evicts a cached block (True: its K/V were kept below, the ``offload``
-    transition); ``fetch`` is asked on a pool miss at admission (a :class:`Found`, or None);
-    ``load`` then copies what it found into the free block chosen for it, every slot.  KV tiers
-    (:mod:`minikv.tiers`) are one; the composition root attaches it."""
-
-    def offload(self, block: Block, seq: Sequence) -> bool:
-        return False
-
-    def fetch(self, seq: Sequence, i: int) -> Found | None:
-        return None
-
-    def load(self, block_id: int, found: Found) -> None:
-        raise AssertionError("NoConnector.fetch finds nothing, so nothing is ever loaded")
-
-
-class BlockManager(PrefixIndex):
-    """Free list and reference counts for a pool of ``num_blocks`` blocks; the hash table, LRU and
-    quota come from :class:`~minikv.engine.prefix_index.PrefixIndex`."""
+    # The prefix cache's state and its block_hash, read here by snapshots, tests and lessons.
+    hash_table, cached, hasher, block_hash = (_from_prefix_cache(n) for n in
+                                              ("hash_table", "cached", "hasher", "block_hash"))
+    enable_caching, chain_hashes = _from_prefix_cache("enable_caching"), _from_prefix_cache("chain_hashes")
+    max_cached_per_tenant = _from_prefix_cache("max_cached_per_tenant")
+    num_hits, num_rejected_hits = _from_prefix_cache("num_hits"), _from_prefix_cache("num_rejected_hits")
 
     def __init__(self, num_blocks: int, block_size: int, *, hasher: Callable | None = None,
                  enable_caching: bool = False, chain_hashes: bool = True,
@@ -103,12 +55,14 @@ class BlockManager(PrefixIndex):
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_ids: deque[int] = deque(range(num_blocks))
-        self._init_index(hasher, enable_caching, chain_hashes, verify_hits, max_cached_per_tenant)
+        # Tokens touched: "hashed" (block_hash), "verified" (hit checks), "committed" (commit).
+        self.work: Counter = Counter()
+        self.prefix_cache = PrefixCache(self.blocks, block_size, self.work, hasher=hasher,
+                                        enable_caching=enable_caching, chain_hashes=chain_hashes,
+                                        verify_hits=verify_hits, max_cached_per_tenant=max_cached_per_tenant)
         self.listeners: list[Callable] = []
         self.kv_connector = NoConnector()  # below the pool: offload on evict, fetch on a miss
         self.num_deduplicated = 0  # duplicate blocks freed by commit (their twin was adopted)
-        # Tokens touched: "hashed" (block_hash), "verified" (hit checks), "committed" (commit).
-        self.work: Counter = Counter()
 
     # ---------------------------------------------------------------- bookkeeping helpers
     @property
@@ -134,20 +88,17 @@ class BlockManager(PrefixIndex):
     def allocate(self, seq: Sequence) -> bool:
         """Give a waiting ``seq`` the blocks for all its tokens, reusing prefix hits.
         Returns False (and changes nothing) when the pool cannot hold it."""
-        # The pool is asked first, the connector only once admission is certain.  Onloading
-        # before the check (as lookup() does) would move blocks for a request that is then
-        # refused; a retry, after running decodes evicted them again, would onload them twice,
-        # and the trail would count onloads nobody used.  Checking first changes no decision: an
-        # onload spends one available block and leaves one fewer to allocate (_onload), so it
-        # never turns a refusal into an admission (nor the reverse); a refused request moves and
-        # counts nothing, and each onload is a block the admitted request uses, counted once.
+        # The pool is asked first, the connector only once admission is certain: onloading for a
+        # request that is then refused would move blocks nobody uses (and move them again on its
+        # retry).  Checking first changes no decision: an onload spends one available block and
+        # leaves one fewer to allocate (_onload), so it never turns a refusal into an admission.
         hits: list[int] = []
-        pool_miss = self._match(seq, hits, onload=False)
+        pool_miss = self.prefix_cache.match(seq, hits)
         num_needed = -(-seq.num_tokens // self.block_size)
         if not self.can_allocate(num_needed - len(hits), hits):
             return False
         if pool_miss:
-            self._match(seq, hits, onload=True, resume=True)
+            self.prefix_cache.match(seq, hits, fill=self._onload, resume=True)
         for bid in hits:
             self._hold(self.blocks[bid], seq)
         self.emit(Transition.HIT, hits, seq)
@@ -190,37 +141,31 @@ class BlockManager(PrefixIndex):
             return self.free_ids.popleft()
         # The event names ``seq``, the request whose allocation forced the eviction, so the
         # audit trail can tell who keeps evicting whom (the block itself names its writer).
-        self._evict(self._victim(seq.tenant), seq)
+        self._evict(self.prefix_cache.victim(seq.tenant), seq)
         return self.free_ids.pop()
 
     # ---------------------------------------------------------------- after a model step
     def commit(self, seq: Sequence) -> None:
         """Record K/V written by the last step; register the blocks it filled.
 
-        Only the blocks the step wrote are visited -- from ``seq.num_committed_tokens`` (where
-        the last commit stopped) to ``seq.num_computed_tokens`` -- so a step costs O(new blocks);
-        visiting the whole block table would make a long decode quadratic.
+        Only the blocks the step wrote are visited (from ``seq.num_committed_tokens``, where the
+        last commit stopped, to ``seq.num_computed_tokens``), so a long decode stays linear.
 
         A newly full block whose hash is already registered is a *duplicate*: typically two
         requests with the same prefix admitted in the same step, both computing it.  When the
-        registered twin has exactly this block's identity (tokens, parent block, domain), the
-        sequence adopts the twin (an ``adopt``) and frees its own copy, so its later blocks chain
-        onto the twin and a later request with this prefix can hit all of them.  Keeping the
-        copy private instead would leave every later block with a parent nobody else holds:
-        each later lookup would fail the parent check (a "rejected hit" without any attack).
-        A twin with another identity is a hash collision: the copy stays private, as it must.
-
-        An adoption is announced as ``adopt``, not ``hit``: the sequence computed the block itself,
-        so it is not a cached token of the request (``num_cached_tokens`` was fixed at admission),
-        yet it now reads a block another request wrote -- another tenant's, in a shared cache --
-        which is why isolation checks watch both (``lifecycle.REUSES``)."""
+        registered twin has exactly this block's identity (tokens, parent, domain), the sequence
+        *adopts* the twin and frees its copy, so its later blocks chain onto the twin and a later
+        request can hit all of them (a private copy would fail every later parent check).  A twin
+        with another identity is a hash collision: the copy stays private, as it must.  An
+        ``adopt`` is not a ``hit`` (the tokens were computed, not cached), yet it reads a block
+        another request wrote, so isolation checks watch both (``lifecycle.REUSES``)."""
         bs, start, end = self.block_size, seq.num_committed_tokens, seq.num_computed_tokens
         for i in range(start // bs, -(-end // bs)):
             block = self.blocks[seq.block_table[i]]
             block.num_tokens = max(block.num_tokens, min(bs, end - i * bs))
             self.work["committed"] += bs
         seq.num_committed_tokens = max(start, end)
-        if not (self.enable_caching and seq.cacheable):
+        if not (self.prefix_cache.enable_caching and seq.cacheable):
             return
         stored, adopted, released = [], [], []
         try:
@@ -237,12 +182,12 @@ class BlockManager(PrefixIndex):
 
     def _store_or_adopt(self, seq: Sequence, i: int, stored: list, adopted: list, released: list) -> None:
         """Register ``seq``'s newly full block ``i``, or swap it for its registered twin."""
-        block = self.blocks[seq.block_table[i]]
-        h = self.block_hash(seq, i)
-        identity = self.identity(seq, i, self.blocks[seq.block_table[i - 1]].ref if i else None)
-        twin = self.blocks[self.hash_table[h]] if h in self.hash_table else None
+        block, cache = self.blocks[seq.block_table[i]], self.prefix_cache
+        h = cache.block_hash(seq, i)
+        identity = cache.identity(seq, i, self.blocks[seq.block_table[i - 1]].ref if i else None)
+        twin = self.blocks[cache.hash_table[h]] if h in cache.hash_table else None
         if twin is None:
-            self._register(block, h, identity, seq.block_is_public(i, self.block_size))
+            cache.register(block, h, identity, seq.block_is_public(i, self.block_size))
             stored.append(block.block_id)
         elif twin.identity == identity and block.ref_count == 1:  # strict, whatever verify_hits says
             self._hold(twin, seq)
@@ -273,6 +218,40 @@ class BlockManager(PrefixIndex):
         self.emit(Transition.CACHE, cached, seq)
         self._enforce_quota(seq.tenant, seq)
 
+    # ---------------------------------------------------------------- eviction
+    def _evict(self, bid: int, seq: Sequence | None) -> None:
+        """Drop a cached block from the prefix cache onto the free list (transition ``evict``)."""
+        block = self.blocks[bid]
+        self.cached.pop(bid, None)
+        # An eviction a request caused (LRU, quota) may keep the K/V below the pool; an operator's reset does not.
+        if seq is not None and self.kv_connector.offload(block, seq):
+            self.emit(Transition.OFFLOAD, [bid], seq)  # then on_offload scrubs the pool's copy
+        self.emit(Transition.EVICT, [bid], seq)  # listeners still see the hash being dropped
+        self.prefix_cache.unregister(block)
+        self.free_ids.append(bid)
+
+    def evict_cached(self, tenant=ALL_TENANTS) -> int:
+        """Evict every cached block (only ``tenant``'s, if given); return how many."""
+        ids = list(self.cached) if tenant is ALL_TENANTS else self.cached.of(tenant)
+        for bid in ids:
+            self._evict(bid, None)
+        return len(ids)
+
+    def _enforce_quota(self, tenant: str | None, seq: Sequence | None) -> None:
+        """Evict ``tenant``'s oldest cached blocks while it is over its quota.  O(blocks evicted)."""
+        while (victim := self.prefix_cache.over_quota(tenant)) is not None:
+            self._evict(victim, seq)
+
+    def rekey(self, bid: int, new_hash: bytes, identity: BlockIdentity, public: bool,
+              transition: Transition, seq: Sequence | None) -> bool:
+        """Move registered block ``bid`` into another isolation domain under ``new_hash``: same
+        K/V, holders, writer and state (selective sharing's ``promote`` and ``isolate``,
+        :mod:`~minikv.sharing`).  False, changing nothing, when ``new_hash`` is taken."""
+        if not self.prefix_cache.rekey(self.blocks[bid], new_hash, identity, public):
+            return False
+        self.emit(transition, [bid], seq)
+        return True
+
     # ---------------------------------------------------------------- below the pool
     def _onload(self, seq: Sequence, i: int, hits: list[int]) -> int | None:
         """On a pool miss of ``seq``'s block ``i``: bring it in from the connector into a free
@@ -290,8 +269,8 @@ class BlockManager(PrefixIndex):
         block.writer_request, block.writer_tenant = seq.request_id, found.writer_tenant
         block.num_tokens = self.block_size
         self.kv_connector.load(bid, found)  # every slot overwritten: nothing of the last owner is left
-        parent = self.blocks[hits[-1]].ref if hits else None
-        self._register(block, self.block_hash(seq, i), self.identity(seq, i, parent),
+        parent, cache = self.blocks[hits[-1]].ref if hits else None, self.prefix_cache
+        cache.register(block, cache.block_hash(seq, i), cache.identity(seq, i, parent),
                        seq.block_is_public(i, self.block_size))
         self.cached.add(bid, block.writer_tenant)
         seq.num_tier_blocks += 1

@@ -72,3 +72,17 @@ def as_seed(name: str, value) -> int:
         raise ValueError(f"{name} must be in [-2**63, 2**64 - 1] (what torch.Generator accepts), "
                          f"got {show(value)}")
     return value
+
+
+def positive_int(name: str, value) -> int:
+    """``value`` as an int > 0, or an error naming ``name``."""
+    value = as_int(name, value)
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {show(value)}")
+    return value
+
+
+def check_choice(name: str, value, choices: tuple) -> None:
+    """A ValueError naming ``name``, the value and the choices, unless ``value`` is one of them."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name}={show(value)} is not valid; choose one of {', '.join(map(repr, choices))}")

@@ -5,9 +5,10 @@ setting means the same thing everywhere.  Validation happens here, before any me
 allocated, so a typo never half-builds an engine: bad values raise ``ValueError`` or
 ``TypeError`` naming the value.
 
-Settings marked UNSAFE exist for teaching.  They reproduce what real engines did (or still do)
-and each one enables a leak that a lesson demonstrates; choosing one emits an
-:class:`UnsafeSettingWarning`.
+This module documents and checks the core fields: which model, where, in what precision, how
+big the pool and the batch, which attention backend.  The security settings (isolation, hashing,
+scrubbing, quota, selective sharing, audit, KV tiers) are fields of the same dataclass, documented
+and checked in :mod:`~minikv.engine.security_settings`, which also says which are UNSAFE.
 """
 from __future__ import annotations
 
@@ -17,44 +18,20 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..security.keys import check_secret
-from ..security.hashing import HASHERS, UNSAFE_HASHES
-from ..security.scrub import SCRUBBERS, UNSAFE_SCRUBBERS
-from .checks import as_int, as_real, as_seed, check_bool, show
+from . import security_settings
+from .checks import as_real, as_seed, check_bool, check_choice, positive_int, show
 # The device checks live in device.py; DEVICE_TYPES and resolve_device stay importable from here.
 from .device import DEVICE_TYPES, check_device, is_torch_dtype, resolve_device  # noqa: F401
 from .lifecycle import VerifyHits
+from .security_settings import (AUDIT_LEVELS, CACHE_ISOLATION, HASH_ALGOS, QUOTA_SHARE,  # noqa: F401
+                                SCRUB_POLICIES, SHARING_STRATEGIES, TIER_KEYS, UNLIMITED, UNSAFE_HASH_ALGOS,
+                                UnsafeSettingWarning)
 
-CACHE_ISOLATION = ("shared", "tenant", "request", "selective")
 #: the attention backends' names; ``minikv.backends`` describes and builds them (the engine runs
 #: whichever it is handed, see ``model_runner.Backend``)
 ATTENTION_BACKENDS = ("reference", "fused", "cpu_kernels", "triton", "auto")
 RENAMED_BACKENDS = {"paged": "cpu_kernels"}  # an old name is refused with a message naming the new one
-#: the selective-sharing strategies' names (``minikv.sharing.STRATEGIES`` builds them)
-SHARING_STRATEGIES = ("k_tenants", "monitor")
-SCRUB_POLICIES = tuple(SCRUBBERS)  # the registries' names, in registration order
-HASH_ALGOS = tuple(HASHERS)
-UNSAFE_HASH_ALGOS = tuple(a for a in HASH_ALGOS if a in UNSAFE_HASHES)
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-AUDIT_LEVELS = ("request", "block")  # = minikv.audit.trail.LEVELS (not imported: the engine stays audit-free)
-UNLIMITED = "unlimited"  # max_cached_blocks_per_tenant: no quota (UNSAFE; lessons on prime-and-probe)
-QUOTA_SHARE = 8  # default quota: 1/QUOTA_SHARE of the pool per tenant (see cache_quota)
-#: ``kv_tier_keys``: "tenant" (the pool's tenant-keyed hash) or UNSAFE "content" (the salt dropped
-#: at the tier boundary: LMCache #4825's ``cache_salt=''``)
-TIER_KEYS = ("tenant", "content")
-
-
-def _tier_entries(specs) -> tuple:
-    """``kv_tiers`` as a tuple.  Each entry (a spec string or a tier object) is checked by
-    :mod:`minikv.tiers` (``parse_tiers``), which the engine does not import: ``minikv.LLM``
-    checks them before the weights load, and attaching the tiers checks them again."""
-    if specs is None:
-        return ()
-    return tuple(specs) if isinstance(specs, (list, tuple)) else (specs,)
-
-
-class UnsafeSettingWarning(UserWarning):
-    """An engine setting that deliberately re-creates a known leak (for lessons)."""
 
 
 @dataclass
@@ -84,65 +61,11 @@ class EngineConfig:
             step of the fused backend on CUDA replays one, and so does a step that prefills one
             sequence alone, hit or miss (``minikv/backends/cuda_graphs.py``, ``prefill_graphs.py``).
 
-    Isolation (see ``minikv.security``)
-        cache_isolation: ``"tenant"`` (hits only within a tenant), ``"request"`` (no reuse
-            across requests), ``"selective"`` (tenant-keyed, except what ``selective_strategy``
-            shares: ``minikv.sharing``) or UNSAFE ``"shared"`` (any request hits any
-            cached block).
-        selective_strategy: under ``"selective"``, ``"k_tenants"`` (default: content becomes
-            public once ``selective_k`` distinct tenants computed it) or ``"monitor"`` (shared
-            until ``reuse_monitor`` flags a tenant or prefix; UNSAFE before the first flag).
-        selective_k: distinct tenants before promotion (default 3; an attacker needs k-1
-            accounts; UNSAFE 2: one account suffices).
-        reuse_monitor: factory ``reuse_monitor(config) -> ReuseMonitor`` for ``"monitor"``
-            (``minikv.audit.monitor.DetectorMonitor``: the audit detector).
-        hash_algo: ``"sha256"``, ``"hmac-sha256"``, ``"blake2b-keyed"``, or UNSAFE
-            ``"builtin"``, ``"trunc32"``, ``"poly"``.
-        chain_hashes: a block key covers its parent's key; UNSAFE when False.
-        verify_hits: what a hit must match before its K/V are reused (``lifecycle.VerifyHits``;
-            stored as that enum): its whole identity -- tokens, parent block and domain (True,
-            ``VerifyHits.IDENTITY``); UNSAFE ``"tokens"``, tokens only (what nano-vllm does);
-            UNSAFE False, nothing (trust the hash).
-        scrub: ``"on_alloc"``, ``"on_free"`` or UNSAFE ``"none"``.
-        engine_secret: bytes from which per-tenant keys are derived (random when None).
-            Never logged, never returned: it is excluded from ``repr``.
-        shared_prefixes: operator-declared public prefixes (str or token lists) whose blocks
-            every tenant may share; what follows them stays tenant-keyed.
-        sensitive_prefixes: operator-marked sensitive content (str or token lists): under
-            ``"selective"``, the block where one of them occurs in a prompt and every block after
-            it stay private (never opened or promoted; ``minikv/sharing/``).  Refused under
-            ``"shared"``; ``"tenant"`` and ``"request"`` keep everything private already.
-        max_cached_blocks_per_tenant: most cached blocks one tenant may keep, the defense against
-            prime-and-probe (an attacker fills the pool with its own cached blocks and counts how
-            many a victim's load evicts).  With a quota, a tenant that needs room recycles its
-            own cached blocks before anyone else's, and trims its cache to the quota when a
-            request ends.  None (default) means ``max(1, num_blocks // 8)`` under ``"tenant"``
-            and ``"request"`` isolation: one tenant keeps at most 1/8 of the pool, so the other
-            7/8 is left for everyone else's running requests and caches, and one attacker account
-            cannot make a victim's request evict its blocks unless that request (plus the caches
-            of the other busy tenants) needs more than 7/8 of the pool.  A bigger share raises
-            a lone tenant's hit rate and shrinks the room the guarantee needs; 1/8 is a plain
-            middle.  Under ``"shared"`` the default stays unbounded (that mode is UNSAFE
-            anyway).  UNSAFE ``"unlimited"`` turns the quota off, for the lessons that show the
-            attack.  **No per-tenant quota survives an attacker with many accounts**: 8 accounts
-            at quota fill the pool, and then every new allocation must evict somebody's cached
-            block -- the channel is narrowed to "one account's share", not closed.
-        audit_log: path of the operator's JSONL audit trail, or None.
-        audit_level: ``"request"`` (one summary line per request) or ``"block"`` (one line per
-            block event, for tracing); see docs/ARCHITECTURE.md, "Audit trail".
-        kv_tiers: KV tiers below the pool, in lookup order (``minikv.tiers``): specs such
-            as ``"host"`` (bounded, in-process; the pool's LRU evicts into it) and
-            ``"redis://127.0.0.1:6390/0"`` (shared by instances; TTL, per-tenant byte budget).
-            Empty (default): no tier, the pool is the whole cache.  Instances sharing a store
-            must share ``engine_secret`` (their keys and MACs derive from it).  An entry may also
-            be a tier object (``HostTier(..., name="store", when="store")``), used as it is:
-            engines in one process given the same object share it.
-        kv_tier_keys: ``"tenant"`` (default: a block's tier key is its tenant-keyed pool hash) or
-            UNSAFE ``"content"`` (the content chain alone: LMCache #4825's ``cache_salt=''``).
-        kv_tier_encrypt: seal K/V with per-tenant AES-GCM in the tiers (default); UNSAFE False
-            stores them in the clear (still MACed).
-        block_hasher / scrubber: learner-supplied implementations of the seams; they override
-            ``hash_algo`` / ``scrub``.
+    Security (isolation, hashing, scrubbing, quota, selective sharing, audit trail, KV tiers)
+        cache_isolation, selective_strategy, selective_k, reuse_monitor, hash_algo, chain_hashes,
+        verify_hits, scrub, engine_secret, shared_prefixes, sensitive_prefixes,
+        max_cached_blocks_per_tenant, audit_log, audit_level, kv_tiers, kv_tier_keys,
+        kv_tier_encrypt, block_hasher, scrubber: see :mod:`~minikv.engine.security_settings`.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -179,68 +102,31 @@ class EngineConfig:
     scrubber: Any = None
 
     def __post_init__(self) -> None:
-        _check_choice("cache_isolation", self.cache_isolation, CACHE_ISOLATION)
-        _check_choice("scrub", self.scrub, SCRUB_POLICIES)
-        _check_choice("selective_strategy", self.selective_strategy, SHARING_STRATEGIES)
-        self.selective_k = as_int("selective_k", self.selective_k)
-        if self.selective_k < 2:
-            raise ValueError(f"selective_k must be >= 2, got {show(self.selective_k)} (k=1 would share "
-                             "every block at once: that is cache_isolation='shared')")
-        if self.reuse_monitor is not None and not callable(self.reuse_monitor):
-            raise TypeError(f"reuse_monitor must be a factory reuse_monitor(config) -> monitor, got "
-                            f"{type(self.reuse_monitor).__name__}")
-        if self.selective_strategy == "monitor" and self.cache_isolation == "selective" and self.reuse_monitor is None:
-            raise ValueError("selective_strategy='monitor' needs reuse_monitor= (a factory; "
-                             "minikv.audit.monitor.DetectorMonitor wraps the audit detector)")
+        security_settings.check_security_settings(self)
         if self.attention_backend in RENAMED_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r} is now called "
                              f"{RENAMED_BACKENDS[self.attention_backend]!r}")
-        _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        _check_choice("audit_level", self.audit_level, AUDIT_LEVELS)
-        _check_choice("hash_algo", self.hash_algo, HASH_ALGOS)
-        self.verify_hits = VerifyHits.of(self.verify_hits)
+        check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if is_torch_dtype(self.dtype):
-            _check_choice("dtype", str(self.dtype).removeprefix("torch."), DTYPES)
+            check_choice("dtype", str(self.dtype).removeprefix("torch."), DTYPES)
         elif self.dtype is not None:
-            _check_choice("dtype", self.dtype, DTYPES)
+            check_choice("dtype", self.dtype, DTYPES)
         if self.device is not None:
             self.device = check_device(self.device)
         if not isinstance(self.model, (str, os.PathLike)):
             raise TypeError(f"model must be a name or a path, got {type(self.model).__name__} ({show(self.model)})")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            setattr(self, name, _positive_int(name, getattr(self, name)))
+            setattr(self, name, positive_int(name, getattr(self, name)))
         for name in ("num_blocks", "max_model_len"):
             if getattr(self, name) is not None:
-                setattr(self, name, _positive_int(name, getattr(self, name)))
-        if self.max_cached_blocks_per_tenant not in (None, UNLIMITED):
-            if isinstance(self.max_cached_blocks_per_tenant, str):
-                raise ValueError(f"max_cached_blocks_per_tenant={show(self.max_cached_blocks_per_tenant)} is not "
-                                 f"valid; give a number of blocks, None (the default quota) or {UNLIMITED!r}")
-            self.max_cached_blocks_per_tenant = _positive_int("max_cached_blocks_per_tenant",
-                                                              self.max_cached_blocks_per_tenant)
+                setattr(self, name, positive_int(name, getattr(self, name)))
         # NaN and inf slip past "<= 0" and blow up only after the model has loaded.
         self.kv_cache_memory_gb = as_real("kv_cache_memory_gb", self.kv_cache_memory_gb)
         if self.kv_cache_memory_gb <= 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb!r}")
         self.seed = as_seed("seed", self.seed)
-        if self.audit_log is not None and not isinstance(self.audit_log, (str, os.PathLike)):
-            raise TypeError(f"audit_log must be a path or None, got {type(self.audit_log).__name__}")
-        if self.block_hasher is not None and not callable(self.block_hasher):
-            raise TypeError(f"block_hasher must be callable, got {type(self.block_hasher).__name__}")
-        if self.scrubber is not None and not all(callable(getattr(self.scrubber, m, None))
-                                                 for m in ("on_free", "on_alloc")):
-            raise TypeError(f"scrubber must have on_free and on_alloc methods, got {type(self.scrubber).__name__}")
-        self.kv_tiers = _tier_entries(self.kv_tiers)
-        _check_choice("kv_tier_keys", self.kv_tier_keys, TIER_KEYS)
-        for flag in ("enforce_eager", "chain_hashes", "enable_prefix_caching", "kv_tier_encrypt"):
+        for flag in ("enforce_eager", "enable_prefix_caching"):
             check_bool(flag, getattr(self, flag))
-        if self.engine_secret is not None:
-            self.engine_secret = check_secret(self.engine_secret, "engine_secret")
-        self.shared_prefixes = _prefixes("shared_prefixes", self.shared_prefixes)
-        self.sensitive_prefixes = _prefixes("sensitive_prefixes", self.sensitive_prefixes)
-        if self.sensitive_prefixes and self.cache_isolation == "shared":
-            raise ValueError(f"sensitive_prefixes={show(self.sensitive_prefixes)} cannot stay private under "
-                             "cache_isolation='shared'; use 'selective' (or 'tenant', where all is private)")
         self._warn_unsafe()
 
     def default_num_blocks(self, bytes_per_token: int, max_model_len: int) -> int:
@@ -251,41 +137,13 @@ class EngineConfig:
         return max(math.ceil(max_model_len / self.block_size) + 1, min(budget, wanted))
 
     def cache_quota(self, num_blocks: int) -> int | None:
-        """The cached-block quota per tenant for a pool of ``num_blocks`` (None = no quota).
-
-        Default (``max_cached_blocks_per_tenant=None``): ``max(1, num_blocks // 8)`` under
-        ``"tenant"`` and ``"request"`` isolation; no quota under ``"shared"``, which is UNSAFE
-        anyway.  See the class docstring for why 1/8 and what a quota cannot do."""
-        q = self.max_cached_blocks_per_tenant
-        if q == UNLIMITED or (q is None and self.cache_isolation == "shared"):
-            return None
-        return q if q is not None else max(1, num_blocks // QUOTA_SHARE)
+        """The cached-block quota per tenant for a pool of ``num_blocks`` (None = no quota):
+        ``max(1, num_blocks // 8)`` by default under ``"tenant"`` and ``"request"`` isolation."""
+        return security_settings.cache_quota(self, num_blocks)
 
     def unsafe_settings(self) -> list[str]:
         """Names and values of every deliberately insecure setting in this config."""
-        found = []
-        if self.enable_prefix_caching and self.cache_isolation == "shared":
-            found.append("cache_isolation='shared'")
-        if self.hash_algo in UNSAFE_HASH_ALGOS and self.block_hasher is None:
-            found.append(f"hash_algo={self.hash_algo!r}")
-        if not self.chain_hashes:
-            found.append("chain_hashes=False")
-        if self.verify_hits is not VerifyHits.IDENTITY:
-            found.append(f"verify_hits={self.verify_hits.value!r}")
-        if self.scrub in UNSAFE_SCRUBBERS and self.scrubber is None:
-            found.append(f"scrub={self.scrub!r}")
-        if self.enable_prefix_caching and self.cache_isolation == "selective":
-            if self.selective_strategy == "monitor":  # shared until the first flag
-                found.append("selective_strategy='monitor'")
-            elif self.selective_k == 2:  # one attacker account tests any guess
-                found.append("selective_k=2")
-        if self.enable_prefix_caching and self.kv_tiers and self.kv_tier_keys == "content":
-            found.append("kv_tier_keys='content'")
-        if self.enable_prefix_caching and self.kv_tiers and not self.kv_tier_encrypt:
-            found.append("kv_tier_encrypt=False")
-        if self.enable_prefix_caching and self.max_cached_blocks_per_tenant == UNLIMITED:
-            found.append(f"max_cached_blocks_per_tenant={UNLIMITED!r}")
-        return found
+        return security_settings.unsafe_settings(self)
 
     def _warn_unsafe(self) -> None:
         found = self.unsafe_settings()
@@ -293,30 +151,3 @@ class EngineConfig:
             warnings.warn("minikv: UNSAFE settings (for teaching only): " + ", ".join(found),
                           UnsafeSettingWarning, stacklevel=4)
 
-
-def _check_choice(name: str, value: Any, choices: tuple) -> None:
-    if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"{name}={show(value)} is not valid; choose one of {', '.join(map(repr, choices))}")
-
-
-def _prefixes(name: str, value: Any) -> tuple:
-    """``value`` as a tuple of non-empty str or token-id lists (one str alone is one prefix);
-    token ids are checked against the vocabulary by the engine, which has it."""
-    if value is None or isinstance(value, str):
-        value = (value,) if value else ()
-    elif not isinstance(value, (list, tuple)):
-        raise TypeError(f"{name} must be a str or a list of prefixes, got {type(value).__name__} ({show(value)})")
-    value = tuple(value)
-    for i, p in enumerate(value):
-        is_text = isinstance(p, str) and p
-        is_ids = isinstance(p, (list, tuple)) and p and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
-        if not (is_text or is_ids):
-            raise TypeError(f"{name}[{i}] must be a non-empty str or list of token ids, got {show(p)}")
-    return value
-
-
-def _positive_int(name: str, value: Any) -> int:
-    value = as_int(name, value)
-    if value <= 0:
-        raise ValueError(f"{name} must be > 0, got {show(value)}")
-    return value

@@ -30,7 +30,7 @@ def check_block_manager(bm, seqs) -> None:
             assert bm.hash_table.get(b.hash) == b.block_id, f"block {b.block_id} hash not indexed"
     assert len(bm.hash_table) == sum(b.hash is not None for b in bm.blocks)
     registered = Counter(b.writer_tenant for b in bm.blocks if b.hash is not None)
-    assert bm._registered == registered, f"registered counts {bm._registered} != {registered}"
+    assert bm.prefix_cache.registered == registered, f"registered counts {bm.prefix_cache.registered} != {registered}"
     bm.cached.check()
     for bid in bm.cached:
         assert bm.cached.tenant_of(bid) == bm.blocks[bid].writer_tenant, f"block {bid} filed under another tenant"

@@ -28,7 +28,7 @@ to ``evict``.
     cached --OFFLOAD--> cached --EVICT--> free    (KV tiers: sealed into a tier, then scrubbed, dropped)
     free --ONLOAD--> cached --HIT--> used         (KV tiers: a pool miss found in a tier, verified)
 
-``hit`` is found at admission (``BlockManager.lookup``): the request never computes the block.
+``hit`` is found at admission (``BlockManager.allocate``): the request never computes the block.
 ``adopt`` is found at commit: two requests with one prefix admitted in the same step both compute
 it, the first registers its copy, and the second swaps its own copy for that registered *twin*
 (and frees the copy).  Both hand a block another request wrote to a new reader, so an isolation
@@ -162,3 +162,22 @@ class BlockIdentity:
         if verify is VerifyHits.TOKENS:
             return self.tokens == wanted.tokens
         return self == wanted
+
+
+@dataclass(eq=False)
+class Block:
+    """One physical KV block's bookkeeping (the block manager keeps one per pool block)."""
+    block_id: int
+    ref_count: int = 0
+    hash: bytes | None = None  # set while registered (store .. evict)
+    identity: BlockIdentity | None = None  # what a hit on it must match; set with ``hash``
+    generation: int = 0  # bumped each time the block is handed out fresh
+    num_tokens: int = 0
+    writer_request: str | None = None
+    writer_tenant: str | None = None
+    public: bool = False
+
+    @property
+    def ref(self) -> tuple[int, int]:
+        """This block as a parent: a recycled block (new generation) is a different parent."""
+        return (self.block_id, self.generation)

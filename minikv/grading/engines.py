@@ -8,7 +8,7 @@ which memory is zeroed -- do not depend on what the model says, and it builds in
 Two things have no seam in the engine, so :func:`use_key_derivation` and
 :func:`use_block_keys` swap one method on *one engine object* (never on the class): the
 per-tenant key derivation (``LLMEngine.tenant_key``) and the chain plumbing
-(``BlockManager.block_hash``).
+(``BlockManager.block_hash``, which is its prefix cache's).
 """
 from __future__ import annotations
 
@@ -83,7 +83,7 @@ def use_key_derivation(llm: LLM, derive: Callable[[bytes, str | None], bytes], s
 def use_block_keys(llm: LLM, block_keys: Callable) -> LLM:
     """Make ``llm``'s block manager compute the chain of block keys with the learner's
     ``block_keys(hasher, token_ids, block_size, tenant_key, public_len)`` (replaces
-    ``BlockManager.block_hash`` on this one object)."""
+    ``PrefixCache.block_hash`` on this one engine's prefix cache)."""
     bm = llm.engine.block_manager
 
     def block_hash(seq, i):
@@ -95,7 +95,7 @@ def use_block_keys(llm: LLM, block_keys: Callable) -> LLM:
             seq.block_hashes.extend(keys[len(seq.block_hashes):])
         return seq.block_hashes[i]
 
-    bm.block_hash = block_hash
+    bm.prefix_cache.block_hash = block_hash
     return llm
 
 

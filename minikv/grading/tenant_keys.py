@@ -199,7 +199,7 @@ def _engine_keys(hasher, token_ids, block_size, tenant_key, public_len) -> list[
     bm = BlockManager(1, block_size, hasher=hasher, enable_caching=True)
     seq = Sequence("grade", list(token_ids), None, tenant_key=tenant_key)
     seq.public_len = public_len
-    return [bm.block_hash(seq, i) for i in range(len(token_ids) // block_size)]
+    return [bm.prefix_cache.block_hash(seq, i) for i in range(len(token_ids) // block_size)]
 
 
 @grader("chain every full block onto the previous key; the tenant key goes into every block after the public "

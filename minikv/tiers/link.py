@@ -43,7 +43,7 @@ import time
 
 import torch
 
-from ..engine.block_manager import Found
+from ..engine.kv_connector import Found
 from ..engine.lifecycle import Transition
 from ..security.domains import tenant_of
 from ..security.sealing import SealError, Sealer, binding, tier_key, tier_space

@@ -228,7 +228,7 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
         self.step_count += 1
         self.stats["steps"] += 1
         self.stats["preemptions"] += len(batch.preempted)
-        for seq in batch.prefills:
+        for seq in batch.admitted:
             if seq.num_preemptions == 0:
                 self.stats["prompt_tokens"] += seq.num_prompt_tokens
                 self.stats["cached_tokens"] += seq.num_computed_tokens
@@ -240,14 +240,15 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
                 self._finish(seq, "length")
                 return [RequestOutput.from_sequence(seq)]
             return []
-        rows, failed = step_guard.guarded_forward(self, batch.prefills, batch.decodes)
+        rows, failed = step_guard.guarded_forward(self, batch.chunks + batch.prefills, batch.decodes)
+        outputs = [self._advance_chunk(seq, rows.pop(seq, None), failed) for seq in batch.chunks]
         if self.logit_trace is not None:
             self.logit_trace.append({s.request_id: row.cpu() for s, row in rows.items()})
         live = [s for s in batch.prefills + batch.decodes if s not in failed]  # one batched draw
         drawn = dict(zip(live, sample([rows[s] for s in live], [s.params for s in live], [s.generator for s in live],
                                       [s.output_token_ids for s in live])))  # what penalties count
         now = time.perf_counter()
-        outputs = []
+        outputs = [out for out in outputs if out is not None]
         for seq in batch.prefills + batch.decodes:
             if seq in failed:
                 outputs.append(self._fail(seq, "forward", failed[seq]))
@@ -276,6 +277,20 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
                 self._finish(seq, reason)
             outputs.append(RequestOutput.from_sequence(seq))
         return outputs
+
+    def _advance_chunk(self, seq: Sequence, row, failed: dict) -> RequestOutput | None:
+        """A prefill chunk that stops short of the prompt's end (``scheduler.py``): its K/V are
+        computed and committed like any step's -- full blocks registered now, never before -- and
+        no token is sampled (its logits ``row`` are dropped).  An output only if it failed."""
+        try:
+            if seq in failed:
+                return self._fail(seq, "forward", failed[seq])
+            step_guard.inject(self, "commit", seq)
+            seq.num_computed_tokens += seq.num_scheduled_tokens
+            self.block_manager.commit(seq)
+        except Exception as exc:  # noqa: BLE001 -- contained: see step_guard.py
+            return self._fail(seq, "commit", exc)
+        return None
 
     def _check_stop(self, seq: Sequence, tok: int) -> str | None:
         """Detokenize the new token (incrementally, ``detokenizer.py``), then ask whether to stop."""

@@ -120,10 +120,26 @@ def reference_only(name: str) -> ReferenceBackend:
     return ReferenceBackend()
 
 
+def chunk_view(seq: Sequence, block_size: int) -> Sequence:
+    """``seq`` as a backend must see it this step: itself, or, for a prefill chunk that stops
+    short of the prompt's end (``scheduler.py``), a copy cut at the chunk's end.  The copy is a
+    prefill whose first ``num_computed_tokens`` (a block multiple) are already in the pool: what
+    every backend computes for a prefix hit, so no backend needs to know about chunks.  A sequence
+    no scheduler touched (``num_scheduled_tokens`` 0) runs whole."""
+    end = seq.num_computed_tokens + seq.num_scheduled_tokens
+    if not seq.num_scheduled_tokens or end >= seq.num_tokens:
+        return seq
+    view = Sequence(seq.request_id, seq.token_ids[:end], seq.params, tenant=seq.tenant)
+    view.block_table = seq.block_table[:-(-end // block_size)]
+    view.num_computed_tokens = view.num_committed_tokens = seq.num_computed_tokens
+    return view
+
+
 def run_model(engine, prefills: list[Sequence], decodes: list[Sequence], all_rows: bool = False) -> torch.Tensor:
     """The engine's forward pass over one batch, through its backend.  An engine with a test-only
     seam installed (``seams.py``) runs the reference: the seams hook into its explicit gather."""
     seamed = engine.decode_mask is not None or engine.kv_read_observer is not None
+    prefills = [chunk_view(s, engine.block_size) for s in prefills]
     return (REFERENCE if seamed else engine.backend).forward(engine, prefills, decodes, all_rows)
 
 

@@ -49,6 +49,9 @@ class Sequence:
     num_tier_blocks: int = 0  # admission hits whose K/V came back from a KV tier (onload), not the pool
     num_computed_tokens: int = 0  # tokens whose K/V are in the pool
     num_committed_tokens: int = 0  # of those, how many BlockManager.commit has recorded (its watermark)
+    # Tokens the current step computes (set by the scheduler): 1 for a decode, a prefill's chunk
+    # otherwise; a chunk that stops short of num_tokens samples no token (scheduler.py).
+    num_scheduled_tokens: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
     num_preemptions: int = 0
     status: SequenceStatus = SequenceStatus.WAITING

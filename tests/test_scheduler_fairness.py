@@ -19,18 +19,27 @@ def _scheduler(num_blocks=64, max_num_seqs=2, budget=4096):
     return Scheduler(BlockManager(num_blocks, 4), max_num_seqs, budget)
 
 
+def _step(sched):
+    """One simulated step: every scheduled sequence computes its scheduled tokens; the ones whose
+    prompt is then complete (prefills and decodes, not chunks) get a token."""
+    batch = sched.schedule()
+    for s in batch.chunks + batch.prefills + batch.decodes:
+        s.num_computed_tokens += s.num_scheduled_tokens
+        sched.bm.commit(s)
+    for s in batch.prefills + batch.decodes:
+        s.output_token_ids.append(7)
+        if len(s.output_token_ids) >= s.params.max_tokens:
+            sched.remove(s)
+    return batch
+
+
 def _run(sched, steps):
     """Request ids admitted (prefilled) at each step, and preempted ones, step by step."""
     admitted, preempted = [], []
     for _ in range(steps):
-        batch = sched.schedule()
+        batch = _step(sched)
         admitted.append([s.request_id for s in batch.prefills])
         preempted.append([s.request_id for s in batch.preempted])
-        for s in batch.prefills + batch.decodes:
-            s.num_computed_tokens = s.num_tokens
-            s.output_token_ids.append(7)
-            if len(s.output_token_ids) >= s.params.max_tokens:
-                sched.remove(s)
     return admitted, preempted
 
 
@@ -89,6 +98,57 @@ def test_preempted_sequences_keep_their_place_at_the_head():
     later = [rid for step in admitted[first + 1:] for rid in step]
     assert later and later[0] == victim, f"{victim} was preempted and must be re-admitted first: {later}"
     sched.bm.check_invariants(sched.running)
+
+
+def test_many_huge_prompts_cannot_keep_a_short_prompt_out_of_a_step():
+    budget = 64
+    sched = _scheduler(num_blocks=4096, max_num_seqs=64, budget=budget)
+    for i in range(16):
+        sched.add(_seq(f"A{i}", "A", n_prompt=600, max_tokens=4))
+    for _ in range(3):
+        batch = _step(sched)
+        assert batch.num_tokens <= budget and not batch.prefills, "600-token prompts go in chunks"
+    sched.add(_seq("B0", "B", n_prompt=10, max_tokens=4))
+    batch = _step(sched)
+    assert [s.request_id for s in batch.prefills] == ["B0"], "B's prompt is prefilled in the first step after it arrives"
+    for _ in range(3):  # then B decodes in every step, while A's chunks fill the rest of the budget
+        batch = _step(sched)
+        assert any(s.request_id == "B0" for s in batch.decodes) and batch.num_tokens <= budget
+        assert batch.chunks and all(s.tenant == "A" for s in batch.chunks)
+    sched.bm.check_invariants(sched.running)
+
+
+def test_the_fair_share_is_counted_in_tokens_not_requests():
+    # A queues eight 64-token prompts, B eight 8-token ones.  By requests, B would get one
+    # admission per A admission; by tokens, B's whole queue (64 tokens) weighs one of A's prompts.
+    sched = _scheduler(num_blocks=4096, max_num_seqs=64, budget=64)
+    for i in range(8):
+        sched.add(_seq(f"A{i}", "A", n_prompt=64, max_tokens=50))
+    for i in range(8):
+        sched.add(_seq(f"B{i}", "B", n_prompt=8, max_tokens=50))
+    first = [[s.request_id for s in (b.prefills + b.chunks)] for b in (_step(sched), _step(sched))]
+    assert first == [["A0"], [f"B{i}" for i in range(8)]]  # B7 in part: A0's decode took a token
+    served = sched.served["A"] - sched.served["B"]
+    assert 0 <= served <= 64, f"after both had their turn, A is {served} tokens ahead"
+
+
+def test_served_clocks_start_at_the_busy_tenants_least():
+    # A tenant that was idle starts level with the busy ones: no credit for idling, no debt.
+    sched = _scheduler(num_blocks=4096, max_num_seqs=64, budget=32)
+    sched.add(_seq("A0", "A", n_prompt=400, max_tokens=2))
+    for _ in range(5):
+        _step(sched)
+    sched.add(_seq("B0", "B", n_prompt=400, max_tokens=2))
+    _step(sched)
+    # B started at A's clock (160 tokens), got the first turn (ties go to the tenant served
+    # longest ago), and the two then alternate: neither may run ahead by more than a step.
+    shares = []
+    for _ in range(6):
+        batch = _step(sched)
+        shares.append([s.tenant for s in batch.chunks + batch.prefills])
+    assert all(len(set(x)) == 1 for x in shares)
+    assert all(a != b for a, b in zip(shares, shares[1:])), f"the two must alternate: {shares}"
+    assert abs(sched.served["A"] - sched.served["B"]) <= 32
 
 
 def test_engine_serves_the_single_request_in_the_first_step_with_unchanged_tokens():

@@ -51,7 +51,8 @@ from collections import Counter
 from pathlib import Path
 
 from ..engine.config import AUDIT_LEVELS as LEVELS
-from ..engine.lifecycle import REUSE_RECORDS, crosses_tenants
+from ..engine.lifecycle import LIFECYCLE, REUSE_RECORDS, crosses_tenants
+from ..security.scrub import scrub_hook, zeroes
 from .rotation import ROTATION_DEFAULTS, open_shared, release_shared
 
 SCHEMA_VERSION = 2
@@ -165,6 +166,23 @@ class AuditTrail:
         return acc if acc is not None and acc.seq is seq else None
 
     # ------------------------------------------------------------------ engine hooks
+    def attach(self, engine) -> None:
+        """Record what ``engine`` does through its hooks, as KV tiers and sharing plug in: each
+        block transition (heard right after the engine's scrub listener, before any plug-in's, so a
+        plug-in's nested event is recorded after the one that caused it), each request once queued,
+        each as it finishes (before the plug-ins' finish hooks)."""
+        scrubber, blocks = engine.scrubber, engine.block_manager.blocks
+
+        def on_block_event(transition, ids, seq) -> None:
+            edge = LIFECYCLE[transition]
+            if scrub_hook(scrubber, edge.hook) is not None and zeroes(scrubber, edge.hook):
+                self.scrub(edge.hook, ids, seq)  # only hooks that zero memory are worth a record
+            self.block_event(edge.record, ids, seq, blocks)
+
+        engine.block_manager.listeners.insert(1, on_block_event)  # [0]: the engine's scrub
+        engine.request_hooks.append(self.request)
+        engine.finish_hooks.insert(0, self.finish)
+
     def request(self, seq) -> None:
         """A request was queued (``add_request``)."""
         if self.level == "request":

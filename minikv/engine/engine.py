@@ -7,8 +7,8 @@ at the pool in between (``snapshot()``).
 
 Security lives in three places you can find from here: the *isolation domain* a request's
 blocks are hashed in (``_new_sequence``), the *scrub hooks* run on block lifecycle events
-(``_on_block_event``), and the *audit trail* that records every cache decision.  Before any of
-them, every request is checked at the door (``intake.py``).
+(``_on_block_event``), and the *audit trail* that records every cache decision through the same
+events and hooks.  Before any of them, every request is checked at the door (``intake.py``).
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import torch
 
 from ..security.hashing import make_hasher
 from ..security.keys import derive_operator_key, derive_tenant_key, new_engine_secret
-from ..security.scrub import make_scrubber, scrub_hook, zeroes
+from ..security.scrub import make_scrubber, scrub_hook
 from . import intake, step_guard
 from .block_manager import ALL_TENANTS, BlockManager, NoConnector
 from .config import EngineConfig
@@ -69,8 +69,7 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
         self.max_model_len = min(c.max_model_len or s.max_position, s.max_position)
         self.bytes_per_token = bytes_per_token(s.num_layers, s.num_kv_heads, s.head_dim, self.dtype)
         self.num_blocks = c.num_blocks or c.default_num_blocks(self.bytes_per_token, self.max_model_len)
-        scrubber = c.scrubber if c.scrubber is not None else make_scrubber(c.scrub)
-        self.scrubber = scrubber
+        self.scrubber = c.scrubber if c.scrubber is not None else make_scrubber(c.scrub)
         self._make_backend = make_backend
         self.backend = make_backend(self) if make_backend is not None else reference_only(c.attention_backend)
         self.attention_backend = self.backend.name
@@ -83,9 +82,10 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
             self.num_blocks, c.block_size, hasher=hasher, enable_caching=c.enable_prefix_caching,
             chain_hashes=c.chain_hashes, verify_hits=c.verify_hits,
             max_cached_per_tenant=c.cache_quota(self.num_blocks))
-        self.block_manager.listeners.append(self._on_block_event)
+        self.block_manager.listeners.append(self._on_block_event)  # first: a block is scrubbed before anyone hears of it
         self.sharing = None  # cache_isolation="selective": set by minikv.sharing.attach_sharing
         self.admit_hooks: list = []  # hook(seq): a new request, its domains set (selective sharing)
+        self.request_hooks: list = []  # hook(seq): a request just queued (the audit trail)
         self.finish_hooks: list = []  # hook(seq): a finished request
         self._attach = tuple(attach)
         for plug_in in self._attach:  # KV tiers below the pool (kv_tiers=...): minikv.tiers
@@ -95,9 +95,12 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
                              "minikv.LLM, or pass attach=(minikv.tiers.attach_tiers,)")
         if c.cache_isolation == "selective" and c.enable_prefix_caching and self.sharing is None:
             raise ValueError("cache_isolation='selective' needs attach=(minikv.sharing.attach_sharing,) (minikv.LLM passes it)")
-        # Fingerprints in the trail are keyed with the operator key; a fork inherits it (``fork``).
+        # The trail's fingerprints are keyed with the operator key (a fork inherits it: ``fork``);
+        # it records through the hooks above, its own ahead of the plug-ins' (``AuditTrail.attach``).
         self._operator_key = derive_operator_key(self._secret)
         self.audit = open_trail(c, self._operator_key) if open_trail is not None else None
+        if self.audit is not None:
+            self.audit.attach(self)
         self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens)
         self._tenant_keys: dict[str | None, bytes] = {}
         self._shared_prefixes = [self.encode_prompt(p)[0] for p in c.shared_prefixes]
@@ -130,8 +133,7 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
                 raise ValueError(f"{fixed!r} cannot be overridden: a fork shares the parent's weights")
         cfg = dataclasses.replace(self.config, device=str(self.device), dtype=self.dtype, **overrides)
         child = LLMEngine(cfg, weights=(self.model, self.tokenizer, self.hf_config), open_trail=self._open_trail,
-                          make_backend=self._make_backend,
-                          attach=self._attach)
+                          make_backend=self._make_backend, attach=self._attach)
         if "engine_secret" not in overrides:  # one audit identity per engine family (same fingerprints)
             child._operator_key = self._operator_key
         if child.audit is not None:  # tag "<parent tag>.<n>": request ids of forks never clash in one trail
@@ -161,8 +163,8 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         self.stats["requests"] += 1
-        if self.audit:
-            self.audit.request(seq)
+        for hook in self.request_hooks:
+            hook(seq)
 
     def _new_sequence(self, request_id, ids, text, params, tenant, private=False) -> Sequence:
         iso = self.config.cache_isolation
@@ -199,24 +201,17 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
         seq.finish_time = time.perf_counter()
         self.scheduler.remove(seq)
         self.requests.pop(seq.request_id, None)
-        if self.audit:
-            self.audit.finish(seq)
         for hook in self.finish_hooks:
             hook(seq)
 
     # ------------------------------------------------------------------ the block lifecycle
     def _on_block_event(self, transition: Transition, ids: list[int], seq: Sequence | None) -> None:
-        """Every block transition, one dispatch: its scrubber hook, then its audit record (``LIFECYCLE``)."""
-        edge = LIFECYCLE[transition]
-        scrub = scrub_hook(self.scrubber, edge.hook)
+        """Every block transition runs its scrubber hook, if the scrubber has one (``LIFECYCLE``)."""
+        scrub = scrub_hook(self.scrubber, LIFECYCLE[transition].hook)
         if scrub is not None:
             t0 = time.perf_counter()
             scrub(self.pool, ids)
             self.stats["scrub_s"] += time.perf_counter() - t0
-            if self.audit and zeroes(self.scrubber, edge.hook):  # log only hooks that zero memory
-                self.audit.scrub(edge.hook, ids, seq)
-        if self.audit:
-            self.audit.block_event(edge.record, ids, seq, self.block_manager.blocks)
 
     # ------------------------------------------------------------------ the step
     def step(self) -> list[RequestOutput]:

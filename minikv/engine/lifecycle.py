@@ -1,8 +1,9 @@
 """The life of one KV block: its states, the transitions between them, and what each one triggers.
 
 This module is the vocabulary the rest of minikv uses.  The block manager *performs* transitions
-and announces each one to its listeners; the engine's one dispatch (``LLMEngine._on_block_event``)
-reads the row of :data:`LIFECYCLE` for it, runs the scrub hook, then writes the audit record.
+and announces each one to its listeners: first the engine's (``LLMEngine._on_block_event``), which
+runs the scrub hook the row of :data:`LIFECYCLE` names, then the audit trail's, which writes the
+row's record (``AuditTrail.attach``).
 
 States (``BlockView.state`` in snapshots uses the same words):
 

@@ -33,7 +33,16 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per request of the throughput workload")
     ap.add_argument("--only", default="throughput,ttft,prefill,ops,isolation",
                     help="comma-separated sections: " + ", ".join(sorted(SECTIONS)))
-    ap.add_argument("--fairness-rounds", type=int, default=1, help="repeat the fairness sweep (gaps pooled)")
+    ap.add_argument("--fairness-rounds", type=int, default=1, help="repeat the rejected-requests sweep (gaps pooled)")
+    ap.add_argument("--fairness-modes", default="all",
+                    help="comma-separated attacker modes of the fairness section: rejected (refused bodies vs a "
+                         "victim's token gaps), " + ", ".join(_availability_modes()) + "; or all")
+    ap.add_argument("--fairness-seconds", type=float, default=20.0,
+                    help="how long the victim sends requests, alone and under each attacker mode")
+    ap.add_argument("--fairness-scale", type=float, default=1.0,
+                    help="multiply each attacker mode's connection count (max_tokens_1: 64, hangups: 32, others 16)")
+    ap.add_argument("--fairness-budget", type=int, default=None,
+                    help="the server's step token budget (default: minikv serve's)")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     ap.add_argument("--kv-cache-gb", type=float, default=1.0,
                     help="KV pool of every engine the bench builds (GiB; the engine's default 1). Pools are made "
@@ -70,8 +79,23 @@ def main(argv=None) -> int:
         report["isolation"] = isolation.bench_isolation(llm)
         release()
     if "fairness" in sections:
-        from .fairness import bench_fairness
-        report["fairness"] = bench_fairness(llm, rounds=args.fairness_rounds)
+        modes = _availability_modes() + ("rejected",) if args.fairness_modes == "all" else \
+            tuple(args.fairness_modes.split(","))
+        if set(modes) - set(_availability_modes() + ("rejected",)):
+            ap.error(f"--fairness-modes: unknown mode(s) {', '.join(sorted(set(modes) - set(_availability_modes())))}")
+        if not (args.fairness_seconds > 0 and args.fairness_scale > 0):
+            ap.error("--fairness-seconds and --fairness-scale must be > 0")
+        from ..serve.cli import SERVE_MAX_NUM_BATCHED_TOKENS
+        from .availability import bench_availability
+        budget = args.fairness_budget or SERVE_MAX_NUM_BATCHED_TOKENS
+        attacks = tuple(m for m in modes if m != "rejected")
+        if attacks:
+            served = llm.fork(max_num_batched_tokens=budget)
+            report["availability"] = bench_availability(served, attacks, args.fairness_seconds, scale=args.fairness_scale)
+            del served
+        if "rejected" in modes:
+            from .fairness import bench_fairness
+            report["fairness"] = bench_fairness(llm, rounds=args.fairness_rounds)
         release()
     if "trail" in sections:
         report["trail"] = trail.bench_trail()
@@ -91,6 +115,11 @@ def main(argv=None) -> int:
     return 0
 
 
+def _availability_modes() -> tuple[str, ...]:
+    from .availability import MODES
+    return MODES
+
+
 def format_report(report: dict) -> str:
     lines = [f"minikv benchmark: {report['model']} on {report['device']} ({report['dtype']}, "
              f"{report['threads']} threads) -- every ratio beside its absolutes, all from this run"]
@@ -101,6 +130,9 @@ def format_report(report: dict) -> str:
     lines += speed.format_engine(report)
     if "isolation" in report:
         lines += isolation.format_isolation(report["isolation"])
+    if "availability" in report:
+        from .availability import format_availability
+        lines += format_availability(report["availability"])
     if "fairness" in report:
         from .fairness import format_fairness
         lines += format_fairness(report["fairness"])

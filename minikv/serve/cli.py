@@ -26,6 +26,14 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
+#: ``minikv serve``'s step token budget (``--max-num-batched-tokens``) when none is given; the
+#: engine's own default is larger.  A server is shared: every tenant's decode shares a step with
+#: whatever prefill chunk fills the rest of the budget, and on a CPU a step's time grows with its
+#: tokens, so the budget bounds how much one tenant's long prompts slow everyone's tokens.  A
+#: smaller budget costs a lone long prompt more steps (each re-reads the weights); see
+#: docs/BENCHMARKS.md (availability) for what this value gives.
+SERVE_MAX_NUM_BATCHED_TOKENS = 256
+
 _LIMIT_FLAGS = ("requests_per_s", "burst", "max_concurrent", "max_queued", "max_tokens_in_flight",
                 "max_body_bytes", "max_prompt_chars", "max_messages")
 
@@ -60,6 +68,7 @@ def app_from_args(args: argparse.Namespace):
     check_disjoint(api_keys=keys, operator_keys=ops, gateway_keys=gateways)  # before the model loads
     limits = limits_from_args(args)
     kwargs = engine_kwargs_from_args(args)
+    kwargs.setdefault("max_num_batched_tokens", SERVE_MAX_NUM_BATCHED_TOKENS)
     knobs = monitor_kwargs_from_args(args)
     if kwargs.get("selective_strategy") == "monitor":  # the factory is set by the parser's composition root
         kwargs["reuse_monitor"] = functools.partial(args.reuse_monitor, **knobs)

@@ -104,7 +104,7 @@ WORKERS = $(if $(filter auto,$(TEST_WORKERS)),$(shell $(PYTHON) scripts/test_wor
 # per core in every worker oversubscribes the CPU (scripts/test_workers.py has the measurement).
 THREADS = $(or $(OMP_NUM_THREADS),$(shell $(PYTHON) scripts/test_workers.py --threads $(WORKERS)))
 # pytest over tests/ and nbval over the lessons in one session, so the workers share the whole load;
-# the 30 slowest tests are listed at the end, where the 15-minute budget is spent (issue 36).
+# the 30 slowest tests are listed at the end, where the 15-minute budget is spent.
 test-suite: model chromium
 	MINIKV_EXERCISES=solutions OMP_NUM_THREADS=$(THREADS) $(PYTEST) -n $(WORKERS) --dist loadfile --nbval --nbval-current-env \
 		--nbval-sanitize-with tests/nbval_sanitize.cfg --durations=30 -m "not single_shot_timing" tests $(NOTEBOOKS) \

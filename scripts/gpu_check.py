@@ -1,4 +1,4 @@
-"""``make gpu-check``: every CUDA check of issue 11 in one command, with a summary at the end.
+"""``make gpu-check``: every CUDA check in one command, with a summary at the end.
 
     .venv/bin/python scripts/gpu_check.py [--keep DIR] [--skip-bench] [--report DIR]
 
@@ -16,9 +16,9 @@ and the byte-level test tokenizer, saves it to a temporary directory and checks 
 3. ``python -m minikv.bench --device cuda`` on that model in bf16 and fp32: throughput against
    transformers, TTFT, prefill FLOP/s against the measured matmul peak, ops and kernels per
    decode step;
-4. issue 38's TTFT scan (``minikv.bench.ttft_scan``): prefix hit against miss at 256, 1,024, 4,096
+4. the TTFT scan (``minikv.bench.ttft_scan``): prefix hit against miss at 256, 1,024, 4,096
    and 7,000 tokens, bf16 and fp32, 12 alternating pairs each, medians of the engine's TTFT, the
-   one-sided Mann-Whitney p and a 1,024-token miss against its FLOP floor, printed as issue 38's
+   one-sided Mann-Whitney p and a 1,024-token miss against its FLOP floor, printed as a
    table with PASS/FAIL per row against its targets (each a check of the summary), and that every
    request of it replayed a prefill CUDA graph (``prefill_graphs.py``), then again in bf16 on the
    ``triton`` backend (its rows named ``[triton] ...``; its hits replay graphs that call its kernel);
@@ -156,7 +156,7 @@ def check_correctness(path: Path, device: str = "cuda") -> list[tuple[str, bool,
 
 
 def scan_step(results: list, path: str, device: str) -> None:
-    """Issue 38's TTFT scan, its table printed; on a GPU each row is a check against its targets,
+    """The TTFT scan, its table printed; on a GPU each row is a check against its targets,
     in a dry run (tiny-random, 32 and 64 tokens, 4 pairs) one check that it ran and printed every row."""
     from minikv.bench.ttft_scan import format_scan, run_scan, verdicts
 
@@ -171,7 +171,7 @@ def scan_step(results: list, path: str, device: str) -> None:
         traceback.print_exc()
         results.append(("ttft scan", False, f"raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"))
         return
-    print(f"\n== TTFT scan (issue 38; {time.perf_counter() - t0:.0f} s) ==", flush=True)
+    print(f"\n== TTFT scan ({time.perf_counter() - t0:.0f} s) ==", flush=True)
     print("\n".join(format_scan(scan)), flush=True)
     if device == "cpu":
         rows = sum(len(s["rows"]) for s in scan.values())
@@ -254,7 +254,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run-cpu", action="store_true",
                     help="run every step on the CPU instead: checks this script and its imports before a GPU "
                          "session spends its minutes on them; it checks nothing about CUDA")
-    ap.add_argument("--skip-scan", action="store_true", help="no TTFT scan (issue 38)")
+    ap.add_argument("--skip-scan", action="store_true", help="no TTFT scan")
     ap.add_argument("--skip-triton", action="store_true",
                     help="no triton-backend checks (tests/test_paged_triton.py runs the same two in make test)")
     ap.add_argument("--layers", type=int, default=None,

@@ -2,9 +2,9 @@
 
 The engine is one shared resource: one batch, one KV pool, one engine thread, one tokenizer
 thread, one event loop.  A tenant that floods it -- even with requests that are rejected anyway
--- slows every other tenant's tokens.  (Measured on this server before these limits: four
-connections sending oversized bodies in a loop, each answered with a 400, raised another
-tenant's median gap between streamed tokens from 53 ms to 3 s; issue 14 of this project.)
+-- slows every other tenant's tokens: a few connections sending oversized bodies in a loop,
+each answered with a 400, are enough to stretch another tenant's gaps between streamed tokens
+many times over (docs/BENCHMARKS.md has the measurement).
 
 So every request passes the checks below, *cheapest first*, and is refused as early as possible:
 

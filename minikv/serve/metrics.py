@@ -11,7 +11,7 @@ Names follow vLLM's where there is an equivalent (``vllm:prompt_tokens_total`` -
 difference between two scrapes is one request: an anonymous observer of ``/metrics`` read a
 victim's exact prompt length, its cached tokens (did it re-use its own prefix?) and its output
 length -- and with ``cache_isolation="shared"`` the cached-token counter is a cache-hit oracle
-even when responses hide ``cached_tokens`` (issue 14).  So ``/metrics`` needs an operator key
+even when responses hide ``cached_tokens``.  So ``/metrics`` needs an operator key
 (:mod:`minikv.serve.app`) or lives on an operator-only address, and only then may counters
 carry ``tenant`` labels, which operators need to see who is being throttled.  Labels never
 carry prompt content.

@@ -4,7 +4,7 @@ Tokenizing (and, for chat, rendering the template) costs CPU in proportion to th
 length.  When the engine thread did it, a request that was going to be rejected anyway ("prompt
 longer than the context") still took the engine thread away from everyone's decoding for as long
 as its tokenization lasted, and a client sending such requests in a loop slowed every other
-tenant's tokens by 10-50x (issue 14).  So the server tokenizes here instead:
+tenant's tokens many times over.  So the server tokenizes here instead:
 
 * on **one worker thread** with **its own copy** of the tokenizer (tokenizer objects are not
   meant to be shared across threads, and the engine keeps its own);

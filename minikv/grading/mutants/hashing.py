@@ -114,7 +114,7 @@ def hash_ignores_tenant(parent, tokens, extra, tenant_key) -> bytes:
 
 def hash_truncated(parent, tokens, extra, tenant_key) -> bytes:
     """Typed, chained, domain-separated -- then cut to 16 bytes ("still 128 bits"): the contract says the
-    full digest, never truncated (issue 37: it was accepted)."""
+    full digest, never truncated (an easy one for a grader to miss)."""
     return hashlib.sha256(_typed(_DOMAIN, parent, tuple(tokens), tuple(extra), tenant_key)).digest()[:16]
 
 

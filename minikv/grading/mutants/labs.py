@@ -49,7 +49,7 @@ def oracle_double_check(card):
 def oracle_char_by_char(card):
     """Guesses one character at a time, ignoring blocks: a probe that stops inside a block is never
     answered from cache (keys name whole blocks), so no candidate stands out and the first letter
-    'wins' (issue 37: diagnosed as self-priming)."""
+    'wins' (not to be mistaken for self-priming)."""
     found = ""
     with OracleClient(card) as oracle:
         while len(found) < card["secret_len"]:

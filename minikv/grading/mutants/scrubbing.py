@@ -36,7 +36,7 @@ def zero_wrong_dim(pool, block_ids):
 
 def zero_index_fill_discarded(pool, block_ids):
     """``index_fill`` without the underscore: it returns a NEW zeroed tensor, which is dropped, so
-    the pool keeps every byte (issue 37: the diagnosis blamed advanced indexing)."""
+    the pool keeps every byte (its diagnosis must not blame advanced indexing)."""
     import torch
     if block_ids:
         idx = torch.as_tensor(list(block_ids), dtype=torch.long)
@@ -153,8 +153,8 @@ def place_wipe_adopted(transition, seq):
 
 def place_compares_reason(transition, seq):
     """Orders finish reasons as if they were numbers (``seq.finish_reason > 0``): raises TypeError on
-    the first request -- a crash inside the decision, not a refused transition (issue 37: it was
-    diagnosed as "a transition left undecided")."""
+    the first request -- a crash inside the decision, not a refused transition (its diagnosis must
+    not read "a transition left undecided")."""
     transition = _T(transition)
     if transition is _T.FREE and seq is not None and seq.finish_reason > 0:
         return "keep"

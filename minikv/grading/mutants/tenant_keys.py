@@ -73,7 +73,7 @@ def derive_sha256_concat(engine_secret, tenant) -> bytes:
 
 def derive_sha256_of_encoding(engine_secret, tenant) -> bytes:
     """``sha256(encode_fields(label, tenant, secret))``: the secret inside a typed message, then a plain
-    hash -- no concatenation for the ad-hoc list to spot, but still not HMAC (issue 37: it was accepted)."""
+    hash -- no concatenation for the ad-hoc list to spot, but still not HMAC."""
     from ...security.encoding import encode_fields
     _check(engine_secret)
     return hashlib.sha256(encode_fields("minikv/tenant-key/v1", tenant, bytes(engine_secret))).digest()

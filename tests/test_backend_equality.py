@@ -30,9 +30,7 @@ imports Triton.  The tests whose id names ``cuda`` run on a GPU (``make gpu-chec
 """
 from __future__ import annotations
 
-import os
 import random
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -262,15 +260,8 @@ def test_backend_matches_the_reference_in_logits_tokens_and_pool(device, variant
 def test_triton_kernel_in_the_interpreter_matches_the_reference():
     """The ``triton`` backend on the CPU: a fused engine switched to it after it is built (the
     registry grants ``triton`` on CUDA only), its kernel run by Triton's interpreter."""
-    site = ROOT / ".triton-site"
-    if not (site / "triton").is_dir():
-        msg = "no Triton for the interpreter: install it with `make triton` (into .triton-site)"
-        if os.environ.get("MINIKV_REQUIRE_TRITON"):
-            pytest.fail(msg)
-        pytest.skip(msg)
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{site}", "TRITON_INTERPRET": "1"}
-    p = subprocess.run([sys.executable, __file__, "triton"], cwd=ROOT, env=env, capture_output=True,
-                       text=True, timeout=600)
+    from triton_helpers import interpret
+    p = interpret(__file__, "triton", timeout=600)
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
     assert "triton: logits, tokens and pool equal" in p.stdout, p.stdout
 

@@ -28,24 +28,14 @@ from pathlib import Path
 import pytest
 
 from minikv.backends.registry import BACKENDS, FUSED, resolve_backend
+from triton_helpers import interpret
 
 ROOT = Path(__file__).resolve().parent.parent
 SITE = ROOT / ".triton-site"
 
 
-def _interpret(script: str, *args: str) -> subprocess.CompletedProcess:
-    if not (SITE / "triton").is_dir():
-        msg = "no Triton for the interpreter: install it with `make triton` (into .triton-site, ~300 MB)"
-        if os.environ.get("MINIKV_REQUIRE_TRITON"):
-            pytest.fail(msg)
-        pytest.skip(msg)
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{SITE}", "TRITON_INTERPRET": "1"}
-    return subprocess.run([sys.executable, str(ROOT / script), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-
-
 def test_triton_kernel_equals_reference_on_prefill_hit_decode_and_mixed_calls():
-    p = _interpret("scripts/triton_check.py", "--dtypes", "float32,float16")
+    p = interpret("scripts/triton_check.py", "--dtypes", "float32,float16")
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     cases = {(c, d) for c in ("prefill", "hit", "decode", "mixed") for d in ("float32", "float16")}
@@ -53,7 +43,7 @@ def test_triton_kernel_equals_reference_on_prefill_hit_decode_and_mixed_calls():
 
 
 def test_engine_on_triton_backend_matches_reference_step_by_step():
-    p = _interpret("tests/triton_engine_check.py")
+    p = interpret("tests/triton_engine_check.py")
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
     assert "tokens identical" in p.stdout
 
@@ -61,7 +51,7 @@ def test_engine_on_triton_backend_matches_reference_step_by_step():
 def test_triton_hits_replayed_from_prefill_graphs_match_reference():
     """The Triton kernel called from inside prefill graphs (``prefill_graphs.py``; the eager stand-in
     here), reading the real row count and context length from the static buffer."""
-    p = _interpret("tests/triton_engine_check.py", "cpu", "prefill-graphs")
+    p = interpret("tests/triton_engine_check.py", "cpu", "prefill-graphs")
     assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
     assert "all from prefill graphs, tokens identical" in p.stdout, p.stdout
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from minikv.viz.draw import new_figure
 from minikv.viz.layout import OKABE_ITO
-from minikv.viz.plots import _tidy
+from minikv.viz.plots import _tidy, draw_strip
 
 _BOX = dict(boxstyle="round,pad=0.4", lw=1.2)
 
@@ -59,28 +60,32 @@ def draw_fleet(num_instances: int = 3) -> Figure:
 
 
 def plot_probe_ttfts(results: Mapping[str, tuple[Sequence[Mapping], float]]) -> Figure:
-    """One column per fleet: the TTFT of every one-shot probe (right name: vermillion circles,
-    wrong name: blue squares) and the attacker's own threshold (dashed).
+    """One column per fleet: the TTFT of every one-shot probe, right names (vermillion, left) and
+    wrong names (blue, right) each as dots over a box of their quartiles, median printed above,
+    and the attacker's own threshold (dashed).
 
     ``results`` maps a fleet label to ``(rows, threshold_s)``, each row a dict with ``right``
     (bool) and ``ttft`` (seconds).  Log scale: cold and cached prefills differ by a factor.
     """
     fig = new_figure(10, 4)
     ax = fig.add_subplot()
+    arms = ((True, -0.2, OKABE_ITO["vermillion"]), (False, 0.2, OKABE_ITO["blue"]))
     for x, (rows, threshold) in enumerate(results.values()):
-        for r in rows:
-            ax.scatter(x + (-0.12 if r["right"] else 0.12), r["ttft"] * 1e3, s=40,
-                       color=OKABE_ITO["vermillion"] if r["right"] else OKABE_ITO["blue"],
-                       marker="o" if r["right"] else "s", zorder=3)
-        ax.hlines(threshold * 1e3, x - 0.35, x + 0.35, color="black", lw=1.2, ls="--", zorder=2)
-    ax.scatter([], [], color=OKABE_ITO["vermillion"], marker="o", label="probe with the right name")
-    ax.scatter([], [], color=OKABE_ITO["blue"], marker="s", label="probe with a wrong name")
+        for right, dx, color in arms:
+            ms = np.array([1e3 * r["ttft"] for r in rows if r["right"] == right])
+            if ms.size:
+                draw_strip(ax, x + dx, ms, color, width=0.3)
+        ax.hlines(threshold * 1e3, x - 0.4, x + 0.4, color="black", lw=1.2, ls="--", zorder=2)
+    n = max((sum(r["right"] == right for r in rows) for rows, _ in results.values() for right in (True, False)),
+            default=0)
+    ax.scatter([], [], color=OKABE_ITO["vermillion"], label="probe with the right name")
+    ax.scatter([], [], color=OKABE_ITO["blue"], label="probe with a wrong name")
     ax.plot([], [], color="black", ls="--", label="attacker's own threshold")
     ax.set_yscale("log")
     ax.set_xticks(range(len(results)), [label.replace(", ", ",\n") for label in results], fontsize=9)
     ax.set_ylabel("time to first token (ms, log)")
-    ax.set_title("One probe per guess: only a shared cache behind cache-aware routing separates "
-                 "them every time", fontsize=10, loc="left")
+    ax.set_title(f"Every probe, up to {n} per guess and fleet (box: quartiles), against the attacker's "
+                 "own threshold", fontsize=10, loc="left")
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3, frameon=False)
     _tidy(ax)
     return fig

@@ -186,6 +186,19 @@ def plot_bars(labels: Sequence[str], values: Sequence[float], ax: Axes | None = 
     return ax.figure
 
 
+def draw_strip(ax: Axes, x: float, values: np.ndarray, color: str, width: float = 0.5) -> None:
+    """One arm of a timing strip at ``x``: a box of its quartiles (whiskers, no fliers), every value
+    as a dot spread evenly across the box (outliers included, the same picture on every call), and
+    the median printed above the highest dot."""
+    ax.boxplot(values, positions=[x], widths=width, showfliers=False, medianprops=dict(color="black"),
+               boxprops=dict(color=color), whiskerprops=dict(color=color), capprops=dict(color=color))
+    spread = np.linspace(-0.36 * width, 0.36 * width, values.size) if values.size > 1 else np.zeros(1)
+    ax.scatter(x + spread, values, s=14, color=color, alpha=0.8, zorder=3)
+    mid = float(np.median(values))
+    ax.annotate(f"median {mid:,.0f}" if abs(mid) >= 100 else f"median {mid:.3g}", (x, float(values.max())),
+                xytext=(0, 4), textcoords="offset points", ha="center", fontsize=8)
+
+
 def plot_timing_strip(groups: Mapping[str, Sequence[float]], ax: Axes | None = None,
                       title: str | None = None, ylabel: str = "TTFT (ms)",
                       colors: Sequence[str] | None = None, log: bool = False) -> Figure:
@@ -200,14 +213,7 @@ def plot_timing_strip(groups: Mapping[str, Sequence[float]], ax: Axes | None = N
     ax = _axes(ax, (max(4.0, 1.2 * len(data) + 1.5), 3.5))
     colors = list(colors) if colors else list(SERIES_COLORS)
     for i, (label, values) in enumerate(data.items()):
-        color = colors[i % len(colors)]
-        ax.boxplot(values, positions=[i], widths=0.5, showfliers=False, medianprops=dict(color="black"),
-                   boxprops=dict(color=color), whiskerprops=dict(color=color), capprops=dict(color=color))
-        spread = np.linspace(-0.18, 0.18, values.size) if values.size > 1 else np.zeros(1)
-        ax.scatter(i + spread, values, s=14, color=color, alpha=0.8, zorder=3)
-        mid = float(np.median(values))
-        ax.annotate(f"median {mid:,.0f}" if abs(mid) >= 100 else f"median {mid:.3g}", (i, float(values.max())), xytext=(0, 4),
-                    textcoords="offset points", ha="center", fontsize=8)
+        draw_strip(ax, i, values, colors[i % len(colors)])
     ax.set_xticks(range(len(data)), [f"{label}\n(n={v.size})" for label, v in data.items()])
     if log:
         ax.set_yscale("log")

@@ -2,7 +2,7 @@
 
     python -m minikv.bench [--device cpu|cuda] [--model smollm2-135m-instruct] [--dtypes float32,bfloat16]
                            [--only throughput,ttft,prefill,ops,isolation]
-    python -m minikv.bench --only fairness   # a tenant's rejected-anyway flood vs another's tokens (minutes)
+    python -m minikv.bench --only fairness   # a victim's latency under each attacker mode, direct and via the gateway (minutes)
     python -m minikv.bench --only trail      # audit-trail bytes per request at each audit level
     python -m minikv.bench --only sharing    # selective sharing: hit rates and attacks per policy
     python -m minikv.bench --only tiers      # KV tiers (host, Redis): hit rates, TTFT per tier, sealing cost
@@ -26,8 +26,10 @@ prints the report:
   measured here;
 * ``isolation`` (:mod:`~minikv.bench.isolation`): what keyed hashing and scrubbing cost, and the
   hit rate N tenants lose when they no longer share;
-* ``fairness`` (:mod:`~minikv.bench.fairness`, not in the default set: minutes): a victim's gap
-  between streamed tokens while another tenant floods the server with requests it refuses;
+* ``fairness`` (not in the default set: minutes): a victim's request latency alone and under each
+  attacker mode, directly and through the gateway (:mod:`~minikv.bench.availability`), and its gap
+  between streamed tokens while another tenant floods the server with requests it refuses (mode
+  ``rejected``, :mod:`~minikv.bench.fairness`);
 * ``trail`` (:mod:`~minikv.bench.trail`): bytes of audit trail per request at each audit level;
 * ``sharing`` (:mod:`~minikv.bench.sharing`): what each selective-sharing policy saves and leaks;
 * ``tiers`` (:mod:`~minikv.bench.tiers`): KV tiers below the pool, hit rates, TTFT and sealing.

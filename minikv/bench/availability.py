@@ -33,6 +33,7 @@ import os
 import queue
 import random
 import statistics
+import sys
 import time
 from collections import Counter
 
@@ -53,9 +54,9 @@ def mode_request(mode: str, rng: random.Random) -> tuple[dict, int | None]:
     """The attacker's next body for ``mode``, and how many SSE events to read before hanging up
     (None: read the whole answer)."""
     if mode == "max_tokens_1":
-        return {"prompt": _words(rng, 30), "max_tokens": 1}, None
+        return {"prompt": _words(rng, 30), "max_tokens": 1, "stream": True}, None
     if mode == "long_prompts":
-        return {"prompt": _words(rng, 5000), "max_tokens": 8}, None
+        return {"prompt": _words(rng, 5000), "max_tokens": 8, "stream": True}, None  # streamed: a hang-up aborts it
     if mode == "long_streams":
         return {"prompt": _words(rng, 30), "max_tokens": 1024, "ignore_eos": True, "stream": True}, None
     if mode == "hangups":
@@ -80,9 +81,12 @@ def _attack(base_url: str, mode: str, conns: int, ready, stop) -> dict:
     lock, done = threading.Lock(), threading.Event()  # this attack's own stop: a straggler of it never
     headers = {"Authorization": f"Bearer {ATTACKER_KEY}"}  # sees the next attack's cleared flag
 
+    clients = []
+
     def loop(i: int) -> None:
         rng = random.Random(i)
         with httpx.Client(base_url=base_url, timeout=600) as client:
+            clients.append(client)
             while not done.is_set():
                 body, hang_up_after = mode_request(mode, rng)
                 try:
@@ -105,6 +109,11 @@ def _attack(base_url: str, mode: str, conns: int, ready, stop) -> dict:
     ready.set()
     stop.wait()
     done.set()
+    for client in clients:  # hang up on what is still in flight: the server aborts it
+        try:
+            client.close()
+        except Exception:  # noqa: BLE001 -- a client busy in another thread may refuse; its daemon thread ends with us
+            pass
     for t in threads:  # one still waiting for a long answer is left behind (a daemon), not waited for
         t.join(timeout=5)
     return {"statuses": dict(counts), "seconds": time.perf_counter() - t0}
@@ -188,7 +197,7 @@ class Clients:
                 proc.terminate()
 
 
-def bench_availability(llm, modes=MODES, seconds: float = 20.0, min_requests: int = 8, scale: float = 1.0) -> dict:
+def bench_availability(llm, modes=MODES, seconds: float = 20.0, min_requests: int = 5, scale: float = 1.0) -> dict:
     """Victim latency alone and under each attacker mode (see the module doc)."""
     from ..gateway.lab import start_gateway
     from ..serve import BackgroundServer, ServeLimits, create_app
@@ -208,12 +217,14 @@ def bench_availability(llm, modes=MODES, seconds: float = 20.0, min_requests: in
                         continue
                     base[path] = clients.victim(url, seconds, min_requests, seed=1)["latencies"]
                     rows.append(_row("none", path, 0, base[path], base[path], None))
+                    _progress(rows[-1], t0)
                 for seed, mode in enumerate(modes, start=2):
                     path = "gateway" if mode == "gateway" else "direct"
                     url = gw.base_url if mode == "gateway" else srv.base_url
                     conns = max(1, round(CONNS[mode] * scale))
                     res = clients.under_attack(url, mode, conns, seconds, min_requests, seed)
                     rows.append(_row(mode, path, conns, res["latencies"], base[path], res))
+                    _progress(rows[-1], t0)
                     _wait_idle(llm.engine, mode)  # no row measures the last one's leftovers
             finally:
                 gw.stop()
@@ -222,6 +233,12 @@ def bench_availability(llm, modes=MODES, seconds: float = 20.0, min_requests: in
     return {"rows": rows, "seconds": time.perf_counter() - t0, "cpu_count": os.cpu_count(),
             "budget": llm.engine.config.max_num_batched_tokens, "target": TARGET,
             "load": os.getloadavg()}
+
+
+def _progress(row: dict, t0: float) -> None:
+    """Each row to stderr as it is measured: a run cut short keeps what it measured."""
+    print(f"  [{time.perf_counter() - t0:.0f} s, load {os.getloadavg()[0]:.1f}] {_format_row(row)}",
+          file=sys.stderr, flush=True)
 
 
 def _wait_idle(engine, mode: str) -> None:
@@ -246,16 +263,18 @@ def _row(mode, path, conns, lat, base, res) -> dict:
     return row
 
 
+def _format_row(r: dict) -> str:
+    st = " ".join(f"{k}:{v}" for k, v in sorted(r.get("attacker_statuses", {}).items()))
+    return (f"{r['mode']:<13} {r['path']:<8} {r['conns']:>5} {r['requests']:>5} {r['p50_ms']:>8.0f} "
+            f"{r['p99_ms']:>8.0f} {r['p50_ratio']:>6.2f} {r['p99_ratio']:>6.2f}  {'yes' if r['met'] else 'NO ':<4} {st}")
+
+
 def format_availability(res: dict) -> list[str]:
     lines = [f"  availability: victim requests of ~40 tokens, max_tokens 8, alone vs under each attacker mode "
              f"(step budget {res['budget']} tokens, {res['seconds']:.0f} s, load {res['load'][0]:.1f} on "
              f"{res['cpu_count']} cores)",
              f"    {'mode':<13} {'path':<8} {'conns':>5} {'reqs':>5} {'p50 ms':>8} {'p99 ms':>8} {'x p50':>6} "
              f"{'x p99':>6}  met  attacker statuses"]
-    for r in res["rows"]:
-        st = " ".join(f"{k}:{v}" for k, v in sorted(r.get("attacker_statuses", {}).items()))
-        lines.append(f"    {r['mode']:<13} {r['path']:<8} {r['conns']:>5} {r['requests']:>5} {r['p50_ms']:>8.0f} "
-                     f"{r['p99_ms']:>8.0f} {r['p50_ratio']:>6.2f} {r['p99_ratio']:>6.2f}  "
-                     f"{'yes' if r['met'] else 'NO ':<4} {st}")
+    lines += [f"    {_format_row(r)}" for r in res["rows"]]
     lines.append(f"    target: victim p50 <= {TARGET['p50']}x and p99 <= {TARGET['p99']}x of alone, every mode")
     return lines

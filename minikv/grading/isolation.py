@@ -106,7 +106,7 @@ class _Concurrency:
 
         def schedule():
             batch = original()
-            seqs = batch.prefills + batch.decodes
+            seqs = batch.prefills + batch.chunks + batch.decodes  # a prefill chunk runs beside the others too
             tenants = {s.tenant for s in seqs}
             self.max_tenants = max(self.max_tenants, len(tenants))
             self.steps += 1

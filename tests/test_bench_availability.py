@@ -11,7 +11,7 @@ import json
 from minikv import LLM
 from minikv.bench.availability import TARGET, bench_availability, format_availability
 from minikv.cli import build_parser
-from minikv.serve.cli import SERVE_MAX_NUM_BATCHED_TOKENS, app_from_args
+from minikv.serve.cli import SERVE_STEP_BUDGET, app_from_args, serve_step_budget
 
 
 def test_the_bench_reports_each_mode_against_its_own_paths_baseline():
@@ -36,9 +36,10 @@ def test_the_bench_reports_each_mode_against_its_own_paths_baseline():
 def test_serve_runs_with_its_own_step_budget_unless_given_one(tmp_path, tiny_path):
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({"sk-a": "a"}))
-    base = ["serve", "--model", str(tiny_path), "--api-keys", str(keys), "--num-blocks", "64"]
+    base = ["serve", "--model", str(tiny_path), "--api-keys", str(keys), "--num-blocks", "64", "--device", "cpu"]
     app, _ = app_from_args(build_parser().parse_args(base))
-    assert app.state.engine.config.max_num_batched_tokens == SERVE_MAX_NUM_BATCHED_TOKENS
+    assert app.state.engine.config.max_num_batched_tokens == serve_step_budget(None)
+    assert serve_step_budget("cpu") == SERVE_STEP_BUDGET["cpu"] < 4096  # smaller than the engine's own
     app, _ = app_from_args(build_parser().parse_args(base + ["--max-num-batched-tokens", "1000"]))
     assert app.state.engine.config.max_num_batched_tokens == 1000
     assert app.state.engine.scheduler.max_num_batched_tokens == 1000

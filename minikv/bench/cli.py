@@ -85,9 +85,9 @@ def main(argv=None) -> int:
             ap.error(f"--fairness-modes: unknown mode(s) {', '.join(sorted(set(modes) - set(_availability_modes())))}")
         if not (args.fairness_seconds > 0 and args.fairness_scale > 0):
             ap.error("--fairness-seconds and --fairness-scale must be > 0")
-        from ..serve.cli import SERVE_MAX_NUM_BATCHED_TOKENS
+        from ..serve.cli import serve_step_budget
         from .availability import bench_availability
-        budget = args.fairness_budget or SERVE_MAX_NUM_BATCHED_TOKENS
+        budget = args.fairness_budget or serve_step_budget(args.device)
         attacks = tuple(m for m in modes if m != "rejected")
         if attacks:
             served = llm.fork(max_num_batched_tokens=budget)

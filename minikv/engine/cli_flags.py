@@ -61,7 +61,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = True
     g.add_argument("--num-blocks", type=positive_int, help="KV blocks in the pool (default: sized from memory)")
     g.add_argument("--max-num-seqs", type=positive_int, help="most sequences in one batch (default 64)")
     g.add_argument("--max-num-batched-tokens", type=positive_int,
-                   help="token budget per step: decodes, then prefill chunks (minikv serve: 256; otherwise 4096)")
+                   help="token budget per step: decodes, then prefill chunks (minikv serve: 32 on a CPU, 512 on CUDA; otherwise 4096)")
     g.add_argument("--max-model-len", type=positive_int, help="longest sequence (default: the model's)")
     g.add_argument("--kv-cache-memory-gb", type=float, help="KV pool budget when --num-blocks is not given")
     g.add_argument("--attention-backend", type=_backend_name, choices=ATTENTION_BACKENDS,

@@ -26,13 +26,21 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-#: ``minikv serve``'s step token budget (``--max-num-batched-tokens``) when none is given; the
-#: engine's own default is larger.  A server is shared: every tenant's decode shares a step with
-#: whatever prefill chunk fills the rest of the budget, and on a CPU a step's time grows with its
-#: tokens, so the budget bounds how much one tenant's long prompts slow everyone's tokens.  A
-#: smaller budget costs a lone long prompt more steps (each re-reads the weights); see
-#: docs/BENCHMARKS.md (availability) for what this value gives.
-SERVE_MAX_NUM_BATCHED_TOKENS = 256
+#: ``minikv serve``'s step token budget (``--max-num-batched-tokens``) when none is given, by device
+#: type; the engine's own default (4096) is for one user.  A server is shared: every tenant's decode
+#: shares a step with whatever prefill chunks fill the rest of the budget.  On a CPU a step's time
+#: grows with its tokens, so the budget is what bounds how much one tenant's prompts slow another's
+#: tokens, and a small one costs a lone long prompt little (its prefill is compute-bound whatever the
+#: chunk).  On a GPU a step of a few hundred tokens costs about what a decode does, so a larger budget
+#: keeps prefill throughput at no cost in latency.  docs/BENCHMARKS.md (availability) has the runs.
+SERVE_STEP_BUDGET = {"cpu": 32, "cuda": 512}
+
+
+def serve_step_budget(device: str | None) -> int:
+    """``minikv serve``'s default step budget for ``device`` (None: the device the engine would pick)."""
+    from ..engine.device import resolve_device
+    return SERVE_STEP_BUDGET.get(resolve_device(device).type, SERVE_STEP_BUDGET["cpu"])
+
 
 _LIMIT_FLAGS = ("requests_per_s", "burst", "max_concurrent", "max_queued", "max_tokens_in_flight",
                 "max_body_bytes", "max_prompt_chars", "max_messages")
@@ -68,7 +76,7 @@ def app_from_args(args: argparse.Namespace):
     check_disjoint(api_keys=keys, operator_keys=ops, gateway_keys=gateways)  # before the model loads
     limits = limits_from_args(args)
     kwargs = engine_kwargs_from_args(args)
-    kwargs.setdefault("max_num_batched_tokens", SERVE_MAX_NUM_BATCHED_TOKENS)
+    kwargs.setdefault("max_num_batched_tokens", serve_step_budget(kwargs.get("device")))
     knobs = monitor_kwargs_from_args(args)
     if kwargs.get("selective_strategy") == "monitor":  # the factory is set by the parser's composition root
         kwargs["reuse_monitor"] = functools.partial(args.reuse_monitor, **knobs)

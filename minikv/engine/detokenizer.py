@@ -16,7 +16,7 @@ all output tokens gives (tests/test_engine_scaling.py checks it, and counts the 
 """
 from __future__ import annotations
 
-from .sequence import Sequence
+from .sequence import Sequence, stop_reason
 
 REPLACEMENT = "\ufffd"  # what a decoder prints for bytes that are not (yet) a whole character
 
@@ -51,3 +51,15 @@ def flush(tokenizer, seq: Sequence) -> str:
     seq.detok_offsets = (read, len(ids))
     seq.output_text += new
     return new
+
+
+def advance_text(tokenizer, seq: Sequence, tok: int, eos_token_ids, max_model_len: int) -> str | None:
+    """After ``tok`` joined ``seq``'s output: print its text (:func:`detokenize`), then return why
+    the request stops (``sequence.stop_reason``), or None.  A request that stops anywhere but at a
+    stop string prints what was held back (:func:`flush`)."""
+    new = detokenize(tokenizer, seq)
+    text_len = len(seq.output_text)
+    reason = stop_reason(seq, tok, eos_token_ids, max_model_len, new_chars=len(new))
+    if reason and len(seq.output_text) == text_len:  # not cut at a stop string: print all
+        flush(tokenizer, seq)
+    return reason

@@ -24,7 +24,7 @@ from ..security.scrub import make_scrubber, scrub_hook
 from . import intake, step_guard
 from .block_manager import ALL_TENANTS, BlockManager, NoConnector
 from .config import EngineConfig
-from .detokenizer import detokenize, flush
+from .detokenizer import advance_text
 from .device import resolve_device
 from .kv_pool import KVPool, bytes_per_token
 from .lifecycle import LIFECYCLE, Transition
@@ -34,7 +34,7 @@ from .outputs import RequestOutput
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .seams import EngineSeams
-from .sequence import Sequence, SequenceStatus, common_prefix_len, stop_reason
+from .sequence import Sequence, SequenceStatus, common_prefix_len
 from .snapshot import PoolSnapshot, capture
 
 
@@ -48,10 +48,9 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
         ``open_trail(config, operator_key) -> trail | None`` opens the audit trail named by
         ``config.audit_log`` (``minikv.llm.open_trail`` builds a ``minikv.audit.trail.AuditTrail``).
         ``make_backend(engine) -> Backend`` picks how the forward pass runs (``model_runner.Backend``;
-        without it, ``model_runner.reference_only``).  ``attach``: callables ``attach(engine)`` run
+        without it, ``model_runner.reference_only``).  ``attach``: callables ``attach(engine)``, run
         once the block manager exists, each plugging a component in through hooks (KV tiers,
-        selective sharing).  A fork gets the same ones.
-        ``minikv.LLM(name, ...)`` does all this for you: it is the one place they are composed."""
+        selective sharing); a fork gets the same.  ``minikv.LLM(name, ...)`` composes all this."""
         self.config = c = config if config is not None else EngineConfig(**kwargs)
         self.device = resolve_device(c.device)
         self.dtype = resolve_dtype(c.dtype, self.device)
@@ -95,8 +94,8 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
                              "minikv.LLM, or pass attach=(minikv.tiers.attach_tiers,)")
         if c.cache_isolation == "selective" and c.enable_prefix_caching and self.sharing is None:
             raise ValueError("cache_isolation='selective' needs attach=(minikv.sharing.attach_sharing,) (minikv.LLM passes it)")
-        # The trail's fingerprints are keyed with the operator key (a fork inherits it: ``fork``);
-        # it records through the hooks above, its own ahead of the plug-ins' (``AuditTrail.attach``).
+        # The trail fingerprints with the operator key (a fork inherits it) and records through the
+        # hooks above, ahead of the plug-ins (``AuditTrail.attach``).
         self._operator_key = derive_operator_key(self._secret)
         self.audit = open_trail(c, self._operator_key) if open_trail is not None else None
         if self.audit is not None:
@@ -128,9 +127,8 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
         ``overrides`` are :class:`EngineConfig` fields; the weights fix model, device and dtype.
         Unless given its own ``engine_secret``, the fork fingerprints with this engine's operator
         key; with the same ``audit_log`` it writes into the same trail, tagged ``<tag>.<n>``."""
-        for fixed in ("model", "device", "dtype"):
-            if fixed in overrides:
-                raise ValueError(f"{fixed!r} cannot be overridden: a fork shares the parent's weights")
+        if fixed := sorted({"model", "device", "dtype"} & overrides.keys()):
+            raise ValueError(f"{fixed[0]!r} cannot be overridden: a fork shares the parent's weights")
         cfg = dataclasses.replace(self.config, device=str(self.device), dtype=self.dtype, **overrides)
         child = LLMEngine(cfg, weights=(self.model, self.tokenizer, self.hf_config), open_trail=self._open_trail,
                           make_backend=self._make_backend, attach=self._attach)
@@ -141,8 +139,7 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
         return child
 
     def reset_prefix_cache(self, tenant=ALL_TENANTS) -> int:
-        """Evict every cached block (or only those written by ``tenant``), as
-        vLLM's ``reset_prefix_cache`` does.  Returns how many blocks were evicted."""
+        """Evict every cached block (or ``tenant``'s), as vLLM's does; returns how many."""
         return self.block_manager.evict_cached(tenant)
 
     def new_request_id(self) -> str:
@@ -190,8 +187,8 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def _fail(self, seq: Sequence, stage: str, exc: Exception) -> RequestOutput:
-        seq.error = step_guard.describe_failure(seq, stage, exc)  # finish it alone, see step_guard
+    def _fail(self, seq: Sequence, stage: str, exc: Exception) -> RequestOutput:  # this one alone: step_guard
+        seq.error = step_guard.describe_failure(seq, stage, exc)
         self.stats["failed"] += 1
         self._finish(seq, "error")
         return RequestOutput.from_sequence(seq)
@@ -228,8 +225,7 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
                 self.stats["prompt_tokens"] += seq.num_prompt_tokens
                 self.stats["cached_tokens"] += seq.num_computed_tokens
                 self.stats["tier_tokens"] += seq.num_tier_blocks * self.block_size  # of those, onloaded
-        if batch.empty:
-            # Nothing fits even in an empty pool: a preempted sequence outgrew the pool.
+        if batch.empty:  # nothing fits even in an empty pool: a preempted sequence outgrew it
             if self.scheduler.waiting and not self.scheduler.running:
                 seq = self.scheduler.waiting[0]
                 self._finish(seq, "length")
@@ -261,7 +257,7 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
                 seq.output_token_ids.append(tok)
                 stage = "detokenize"
                 step_guard.inject(self, stage, seq)
-                reason = self._check_stop(seq, tok)
+                reason = advance_text(self.tokenizer, seq, tok, self.eos_token_ids, self.max_model_len)
             except Exception as exc:  # noqa: BLE001 -- contained: see step_guard.py
                 outputs.append(self._fail(seq, stage, exc))
                 continue
@@ -287,19 +283,9 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
             return self._fail(seq, "commit", exc)
         return None
 
-    def _check_stop(self, seq: Sequence, tok: int) -> str | None:
-        """Detokenize the new token (incrementally, ``detokenizer.py``), then ask whether to stop."""
-        new = detokenize(self.tokenizer, seq)
-        text_len = len(seq.output_text)
-        reason = stop_reason(seq, tok, self.eos_token_ids, self.max_model_len, new_chars=len(new))
-        if reason and len(seq.output_text) == text_len:  # not cut at a stop string: print all
-            flush(self.tokenizer, seq)
-        return reason
-
     # ------------------------------------------------------------------ inspection
     def score(self, token_ids: list[int]) -> torch.Tensor:
-        """Logits at every position of ``token_ids`` ([T, vocab], fp32), computed through the
-        same paged path as a prefill (``model_runner.score_tokens``)."""
+        """Logits at every position of ``token_ids`` ([T, vocab], fp32), as a prefill computes them."""
         return score_tokens(self, token_ids)
 
     def snapshot(self) -> PoolSnapshot:

@@ -38,8 +38,12 @@ def test_serve_runs_with_its_own_step_budget_unless_given_one(tmp_path, tiny_pat
     keys.write_text(json.dumps({"sk-a": "a"}))
     base = ["serve", "--model", str(tiny_path), "--api-keys", str(keys), "--num-blocks", "64", "--device", "cpu"]
     app, _ = app_from_args(build_parser().parse_args(base))
-    assert app.state.engine.config.max_num_batched_tokens == serve_step_budget(None)
-    assert serve_step_budget("cpu") == SERVE_STEP_BUDGET["cpu"] < 4096  # smaller than the engine's own
+    alone, contended = serve_step_budget(None)
+    assert (app.state.engine.config.max_num_batched_tokens, app.state.engine.scheduler.contended_budget) == \
+        (alone, contended)
+    assert serve_step_budget("cpu") == SERVE_STEP_BUDGET["cpu"] and contended < alone < 4096  # below the engine's
+    app, _ = app_from_args(build_parser().parse_args(base + ["--contended-num-batched-tokens", "48"]))
+    assert app.state.engine.scheduler.contended_budget == 48
     app, _ = app_from_args(build_parser().parse_args(base + ["--max-num-batched-tokens", "1000"]))
     assert app.state.engine.config.max_num_batched_tokens == 1000
     assert app.state.engine.scheduler.max_num_batched_tokens == 1000

@@ -166,3 +166,20 @@ def test_engine_serves_the_single_request_in_the_first_step_with_unchanged_token
     alone = llm.fork().generate("tenant B's only request", params, tenant="B")[0].outputs[0].token_ids
     assert done["B0"] == alone
     eng.check_invariants()
+
+
+def test_the_contended_budget_applies_only_while_tenants_compete():
+    sched = Scheduler(BlockManager(4096, 4), 64, 256, contended_budget=32)
+    sched.add(_seq("A0", "A", n_prompt=2000, max_tokens=2))
+    sizes = [_step(sched).num_tokens for _ in range(2)]
+    assert sizes == [256, 256], "a tenant alone gets the full budget"
+    sched.add(_seq("B0", "B", n_prompt=10, max_tokens=3))
+    for _ in range(3):  # B's prefill, then its decodes: two tenants, so steps of at most 32 tokens
+        batch = _step(sched)
+        assert batch.num_tokens <= 32 and any(s.tenant == "A" for s in batch.chunks), batch.num_tokens
+    assert "B0" not in {s.request_id for s in sched.running}  # B finished
+    assert _step(sched).num_tokens == 256, "alone again: the full budget"
+    unset = Scheduler(BlockManager(4096, 4), 64, 256)  # no contended budget: the full one always
+    unset.add(_seq("A0", "A", n_prompt=600))
+    unset.add(_seq("B0", "B", n_prompt=600))
+    assert _step(unset).num_tokens == 256

@@ -232,6 +232,7 @@ def bench_availability(llm, modes=MODES, seconds: float = 20.0, min_requests: in
         clients.close()
     return {"rows": rows, "seconds": time.perf_counter() - t0, "cpu_count": os.cpu_count(),
             "budget": llm.engine.config.max_num_batched_tokens, "target": TARGET,
+            "contended_budget": llm.engine.scheduler.contended_budget,
             "load": os.getloadavg()}
 
 
@@ -271,7 +272,8 @@ def _format_row(r: dict) -> str:
 
 def format_availability(res: dict) -> list[str]:
     lines = [f"  availability: victim requests of ~40 tokens, max_tokens 8, alone vs under each attacker mode "
-             f"(step budget {res['budget']} tokens, {res['seconds']:.0f} s, load {res['load'][0]:.1f} on "
+             f"(step budget {res['budget']} tokens, {res.get('contended_budget') or res['budget']} while "
+             f"tenants compete, {res['seconds']:.0f} s, load {res['load'][0]:.1f} on "
              f"{res['cpu_count']} cores)",
              f"    {'mode':<13} {'path':<8} {'conns':>5} {'reqs':>5} {'p50 ms':>8} {'p99 ms':>8} {'x p50':>6} "
              f"{'x p99':>6}  met  attacker statuses"]

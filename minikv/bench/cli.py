@@ -42,7 +42,7 @@ def main(argv=None) -> int:
     ap.add_argument("--fairness-scale", type=float, default=1.0,
                     help="multiply each attacker mode's connection count (max_tokens_1: 64, hangups: 32, others 16)")
     ap.add_argument("--fairness-budget", type=int, default=None,
-                    help="the server's step token budget (default: minikv serve's)")
+                    help="the server's step token budget while tenants compete (default: minikv serve's)")
     ap.add_argument("--json", default=None, help="also write the results to this JSON file")
     ap.add_argument("--kv-cache-gb", type=float, default=1.0,
                     help="KV pool of every engine the bench builds (GiB; the engine's default 1). Pools are made "
@@ -87,10 +87,11 @@ def main(argv=None) -> int:
             ap.error("--fairness-seconds and --fairness-scale must be > 0")
         from ..serve.cli import serve_step_budget
         from .availability import bench_availability
-        budget = args.fairness_budget or serve_step_budget(args.device)
+        alone, contended = serve_step_budget(args.device)
+        contended = args.fairness_budget or contended
         attacks = tuple(m for m in modes if m != "rejected")
         if attacks:
-            served = llm.fork(max_num_batched_tokens=budget)
+            served = llm.fork(max_num_batched_tokens=max(alone, contended), contended_num_batched_tokens=contended)
             report["availability"] = bench_availability(served, attacks, args.fairness_seconds, scale=args.fairness_scale)
             del served
         if "rejected" in modes:

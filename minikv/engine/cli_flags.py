@@ -61,7 +61,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = True
     g.add_argument("--num-blocks", type=positive_int, help="KV blocks in the pool (default: sized from memory)")
     g.add_argument("--max-num-seqs", type=positive_int, help="most sequences in one batch (default 64)")
     g.add_argument("--max-num-batched-tokens", type=positive_int,
-                   help="token budget per step: decodes, then prefill chunks (minikv serve: 32 on a CPU, 512 on CUDA; otherwise 4096)")
+                   help="token budget per step: decodes, then prefill chunks (minikv serve: 512 on a CPU; otherwise 4096)")
+    g.add_argument("--contended-num-batched-tokens", type=positive_int,
+                   help="the step budget while two or more tenants have work (minikv serve: 32 on a CPU, 512 on "
+                        "CUDA; otherwise the same as --max-num-batched-tokens)")
     g.add_argument("--max-model-len", type=positive_int, help="longest sequence (default: the model's)")
     g.add_argument("--kv-cache-memory-gb", type=float, help="KV pool budget when --num-blocks is not given")
     g.add_argument("--attention-backend", type=_backend_name, choices=ATTENTION_BACKENDS,
@@ -129,7 +132,7 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = True
 
 
 _FIELDS = ("model", "device", "dtype", "seed", "block_size", "num_blocks", "max_num_seqs",
-           "max_num_batched_tokens", "max_model_len", "kv_cache_memory_gb", "attention_backend", "enforce_eager",
+           "max_num_batched_tokens", "contended_num_batched_tokens", "max_model_len", "kv_cache_memory_gb", "attention_backend", "enforce_eager",
            "enable_prefix_caching", "cache_isolation", "hash_algo", "chain_hashes", "scrub", "max_cached_blocks_per_tenant",
            "audit_log", "audit_level")
 

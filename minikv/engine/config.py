@@ -47,7 +47,9 @@ class EngineConfig:
         block_size: tokens per KV block (PagedAttention's page size).
         num_blocks: blocks in the pool; None sizes the pool from ``kv_cache_memory_gb``.
         max_num_seqs: most sequences running at once (the batch size cap).
-        max_num_batched_tokens: most prompt tokens prefilled in one step.
+        max_num_batched_tokens: the token budget of one step (decodes, then prefill chunks).
+        contended_num_batched_tokens: the step budget while two or more tenants have work (None:
+            ``max_num_batched_tokens`` always); a server's knob, see ``scheduler.py``.
         max_model_len: longest sequence (prompt + output); None = the model's context.
         enable_prefix_caching: reuse the KV of identical full prefix blocks.
         seed: seeds the engine RNG used by requests that set no seed of their own.
@@ -75,6 +77,7 @@ class EngineConfig:
     num_blocks: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
+    contended_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     kv_cache_memory_gb: float = 1.0
     enable_prefix_caching: bool = False
@@ -117,7 +120,7 @@ class EngineConfig:
             raise TypeError(f"model must be a name or a path, got {type(self.model).__name__} ({show(self.model)})")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             setattr(self, name, positive_int(name, getattr(self, name)))
-        for name in ("num_blocks", "max_model_len"):
+        for name in ("num_blocks", "max_model_len", "contended_num_batched_tokens"):
             if getattr(self, name) is not None:
                 setattr(self, name, positive_int(name, getattr(self, name)))
         # NaN and inf slip past "<= 0" and blow up only after the model has loaded.

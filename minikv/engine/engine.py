@@ -100,7 +100,8 @@ class LLMEngine(EngineSeams):  # EngineSeams: the test-only set_* seams (seams.p
         self.audit = open_trail(c, self._operator_key) if open_trail is not None else None
         if self.audit is not None:
             self.audit.attach(self)
-        self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, c.max_num_seqs, c.max_num_batched_tokens,
+                                   contended_budget=c.contended_num_batched_tokens)
         self._tenant_keys: dict[str | None, bytes] = {}
         self._shared_prefixes = [self.encode_prompt(p)[0] for p in c.shared_prefixes]
         for p in c.sensitive_prefixes:  # checked under every policy

@@ -53,6 +53,13 @@ the pool or ``max_num_seqs``, admission stops for this step (no skipping ahead t
 requests, which could starve a large one forever); running prefills still get their chunks.
 Fairness is per tenant *name*: a client that can open many accounts gets many shares, which is
 why a server also limits accounts and rates.
+
+**A smaller budget under contention.**  Fair order decides who gets the step; the budget decides
+how long the step takes, and everyone's decode waits for it.  On a CPU a step's time grows with
+its tokens, so one tenant's long prompts stretch every other tenant's steps however fair the
+order.  A small budget fixes that, but costs a lone long prompt dearly (each chunk is a step, with
+a step's overheads).  So ``contended_budget`` (``contended_num_batched_tokens``), when set, is
+the budget of the steps in which two or more tenants have work; a tenant alone gets the full one.
 """
 from __future__ import annotations
 
@@ -85,9 +92,10 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 on_admit: Callable[[Sequence], None] | None = None):
+                 on_admit: Callable[[Sequence], None] | None = None, contended_budget: int | None = None):
         self.bm = block_manager
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.contended_budget = contended_budget
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.on_admit = on_admit
@@ -135,7 +143,7 @@ class Scheduler:
                 seq.num_scheduled_tokens = 1
                 self._charge(seq, 1)
         # 2. prefill chunks in fair order (no admissions in a step that had to preempt: the pool is tight).
-        budget = max(self.max_num_batched_tokens - len(batch.decodes), self.bm.block_size)
+        budget = max(self.budget() - len(batch.decodes), self.bm.block_size)
         admitting, scheduled = not batch.preempted, set(batch.decodes)
         while budget > 0:
             seq = self._next_prefill(scheduled, admitting)
@@ -153,6 +161,12 @@ class Scheduler:
             self._charge(seq, n)
             (batch.prefills if seq.num_computed_tokens + n == seq.num_tokens else batch.chunks).append(seq)
         return batch
+
+    def budget(self) -> int:
+        """This step's token budget: the contended one while two or more tenants have work."""
+        if self.contended_budget is not None and len(self._busy) > 1:
+            return min(self.contended_budget, self.max_num_batched_tokens)
+        return self.max_num_batched_tokens
 
     def _admit(self, seq: Sequence, batch: ScheduledBatch) -> bool:
         """Allocate a waiting sequence's blocks (prefix hits included) and make it running."""

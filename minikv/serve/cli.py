@@ -26,18 +26,20 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-#: ``minikv serve``'s step token budget (``--max-num-batched-tokens``) when none is given, by device
-#: type; the engine's own default (4096) is for one user.  A server is shared: every tenant's decode
-#: shares a step with whatever prefill chunks fill the rest of the budget.  On a CPU a step's time
-#: grows with its tokens, so the budget is what bounds how much one tenant's prompts slow another's
-#: tokens, and a small one costs a lone long prompt little (its prefill is compute-bound whatever the
-#: chunk).  On a GPU a step of a few hundred tokens costs about what a decode does, so a larger budget
-#: keeps prefill throughput at no cost in latency.  docs/BENCHMARKS.md (availability) has the runs.
-SERVE_STEP_BUDGET = {"cpu": 32, "cuda": 512}
+#: ``minikv serve``'s step token budgets when none are given, by device type: (alone, contended),
+#: i.e. ``--max-num-batched-tokens`` and ``--contended-num-batched-tokens``.  A server is shared:
+#: every tenant's decode shares a step with whatever prefill chunks fill the rest of the budget.  On
+#: a CPU a step's time grows with its tokens, so while tenants compete the budget is what bounds how
+#: much one tenant's prompts slow another's tokens: 32.  A tenant alone gets 512, since tiny chunks
+#: cost a lone long prompt several times its one-piece prefill; 512 also bounds the one step a
+#: newcomer may find in flight when it arrives.  On a GPU a step of a few hundred tokens costs about
+#: what a decode does, so the budgets are larger.  docs/BENCHMARKS.md (availability) has the runs.
+SERVE_STEP_BUDGET = {"cpu": (512, 32), "cuda": (4096, 512)}
 
 
-def serve_step_budget(device: str | None) -> int:
-    """``minikv serve``'s default step budget for ``device`` (None: the device the engine would pick)."""
+def serve_step_budget(device: str | None) -> tuple[int, int]:
+    """``minikv serve``'s default (alone, contended) step budgets for ``device`` (None: the device
+    the engine would pick)."""
     from ..engine.device import resolve_device
     return SERVE_STEP_BUDGET.get(resolve_device(device).type, SERVE_STEP_BUDGET["cpu"])
 
@@ -76,7 +78,9 @@ def app_from_args(args: argparse.Namespace):
     check_disjoint(api_keys=keys, operator_keys=ops, gateway_keys=gateways)  # before the model loads
     limits = limits_from_args(args)
     kwargs = engine_kwargs_from_args(args)
-    kwargs.setdefault("max_num_batched_tokens", serve_step_budget(kwargs.get("device")))
+    alone, contended = serve_step_budget(kwargs.get("device"))
+    kwargs.setdefault("max_num_batched_tokens", alone)
+    kwargs.setdefault("contended_num_batched_tokens", min(contended, kwargs["max_num_batched_tokens"]))
     knobs = monitor_kwargs_from_args(args)
     if kwargs.get("selective_strategy") == "monitor":  # the factory is set by the parser's composition root
         kwargs["reuse_monitor"] = functools.partial(args.reuse_monitor, **knobs)

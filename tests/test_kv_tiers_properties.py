@@ -120,6 +120,7 @@ class Fleet:
             eng = _base().engine.fork(num_blocks=self.num_blocks, enable_prefix_caching=True, max_num_seqs=2,
                                       kv_tiers=[f"host?mib={self.host_bytes / (1 << 20)}"], kv_tier_keys=self.keys)
         eng.audit = AuditTrail(None, eng._operator_key, BS, keep_in_memory=True)
+        eng.audit.attach(eng)  # a trail records through the engine's hooks once attached
         link = eng.tiers
         link.tiers = [Recorded(link.tiers[0], "host", "evict", self.writers, self.served, name),
                       Recorded(self.store_for(), "store", "store", self.writers, self.served, name)]

@@ -325,3 +325,21 @@ def test_a_graded_lab_server_counts_only_its_own_attackers_requests():
                  for key in (ATTACKER_KEY, card["api_key"], "sk-lab-someone-else")]
         key = srv.reveal()
     assert codes == [401, 200, 401] and key["requests"] == 1, (codes, key)
+
+
+def test_bytecode_beside_the_graders_closes_theirs_and_leaves_the_harness_readable():
+    """A ``minikv/grading/__pycache__`` left by an earlier run must not close the harness's own
+    bytecode: the sealed child imports the harness, and Python looks for its ``.pyc`` first, so a
+    closed ``__pycache__`` folder made every right 3b submission read as tampering."""
+    import os
+    import py_compile
+
+    from minikv.grading import _reads
+    grading = _reads.MINIKV / "grading"
+    py_compile.compile(str(grading / "hashing.py"), doraise=True)  # the folder exists, as after any run
+    cache = grading / "__pycache__"
+    closed = _reads.closed_paths(["minikv.security.scrub"])
+    assert os.path.realpath(cache) not in closed
+    assert _reads.is_closed(str(cache / "hashing.cpython-311.pyc"), closed)  # a grader's bytecode: closed
+    assert not _reads.is_closed(str(cache / "harness.cpython-311.pyc"), closed)  # the harness's: open
+    assert _reads.is_closed(str(grading / "hashing.py"), closed)

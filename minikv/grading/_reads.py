@@ -63,7 +63,9 @@ def closed_paths(modules) -> list[str]:
         if p is not None and p.exists():
             paths.add(os.path.realpath(p))
     grading = MINIKV / "grading"
-    paths.update(os.path.realpath(p) for p in grading.iterdir() if p.name not in OPEN_GRADING)
+    # not __pycache__ as a whole: a closed grader's bytecode is closed by is_closed's bytecode rule,
+    # and an open grader's (harness) must stay readable, or importing it reads as tampering
+    paths.update(os.path.realpath(p) for p in grading.iterdir() if p.name not in (*OPEN_GRADING, "__pycache__"))
     return sorted(paths)
 
 

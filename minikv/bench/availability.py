@@ -23,21 +23,19 @@ Modes (the red-team table of the availability report; ``--fairness-scale`` multi
 
 Each mode is compared with the victim alone on the same path (direct or gateway), measured in
 the same run: p50 and p99 of the victim's request latency, as ratios, with the absolutes beside
-them.  Clients run in processes of their own so their Python work does not take the server's GIL;
+them.  Clients run in processes of their own (:mod:`minikv.bench.clients`), off the server's GIL;
 on a machine with few cores they still take its CPU, which the report notes with the core count.
 """
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
-import queue
 import random
 import statistics
 import sys
 import time
 from collections import Counter
 
-from .fairness import percentile
+from .clients import Clients, percentile
 
 VICTIM_KEY, ATTACKER_KEY, GATEWAY_KEY = "sk-bench-victim", "sk-bench-attacker", "sk-bench-gateway"
 KEYS = {VICTIM_KEY: "victim", ATTACKER_KEY: "attacker"}
@@ -140,63 +138,6 @@ def _victim(base_url: str, seconds: float, min_requests: int, seed: int) -> dict
     return {"latencies": lat, "errors": dict(errors)}
 
 
-def _worker(commands, results, ready, stop) -> None:
-    for cmd in iter(commands.get, None):
-        try:
-            out = _victim(*cmd[1:]) if cmd[0] == "victim" else _attack(*cmd[1:], ready, stop)
-        except Exception as exc:  # noqa: BLE001 -- reported to the parent, which raises
-            out = {"error": f"{type(exc).__name__}: {exc}"}
-        results.put(out)
-
-
-class Clients:
-    """The victim's and the attacker's client processes (spawned once, reused by every row)."""
-
-    def __init__(self):
-        ctx = mp.get_context("spawn")
-        self.ready, self.stop = ctx.Event(), ctx.Event()
-        self.procs = {}
-        for role in ("victim", "attacker"):
-            commands, results = ctx.Queue(), ctx.Queue()
-            proc = ctx.Process(target=_worker, args=(commands, results, self.ready, self.stop), daemon=True)
-            proc.start()
-            self.procs[role] = (proc, commands, results)
-
-    def result(self, role: str, timeout: float = 1800) -> dict:
-        try:
-            out = self.procs[role][2].get(timeout=timeout)
-        except queue.Empty:
-            raise RuntimeError(f"the {role} client did not answer within {timeout:.0f} s") from None
-        if out.get("error"):
-            raise RuntimeError(f"the {role} client failed: {out['error']}")
-        return out
-
-    def victim(self, url: str, seconds: float, min_requests: int, seed: int) -> dict:
-        self.procs["victim"][1].put(("victim", url, seconds, min_requests, seed))
-        return self.result("victim")
-
-    def under_attack(self, url: str, mode: str, conns: int, seconds: float, min_requests: int, seed: int) -> dict:
-        self.ready.clear()
-        self.stop.clear()
-        self.procs["attacker"][1].put(("attack", url, mode, conns))
-        try:
-            if not self.ready.wait(900):
-                raise RuntimeError(f"{mode}: the attacker's {conns} connections got no answer within 900 s")
-            res = self.victim(url, seconds, min_requests, seed)
-        finally:
-            self.stop.set()
-        return {**res, "attacker": self.result("attacker")}
-
-    def close(self) -> None:
-        self.stop.set()
-        for proc, commands, _ in self.procs.values():
-            commands.put(None)
-        for proc, _, _ in self.procs.values():
-            proc.join(60)
-            if proc.is_alive():
-                proc.terminate()
-
-
 def bench_availability(llm, modes=MODES, seconds: float = 20.0, min_requests: int = 5, scale: float = 1.0) -> dict:
     """Victim latency alone and under each attacker mode (see the module doc)."""
     from ..gateway.lab import start_gateway
@@ -204,25 +145,25 @@ def bench_availability(llm, modes=MODES, seconds: float = 20.0, min_requests: in
 
     t0 = time.perf_counter()
     app = create_app(llm, KEYS, limits=ServeLimits(), gateway_keys={GATEWAY_KEY: "gateway"})
-    rows, clients = [], Clients()
+    rows, clients = [], Clients(_victim, _attack)
     try:
         with BackgroundServer(app) as srv:
             gw = start_gateway([srv.base_url], {VICTIM_KEY: "victim", ATTACKER_KEY: "attacker"},
                                upstream_key=GATEWAY_KEY, tenant_upstreams=(srv.base_url,), max_tokens_cap=1024)
             try:
-                clients.victim(srv.base_url, 0, 2, seed=99)  # warm-up
+                clients.victim(srv.base_url, 0, 2, 99)  # warm-up (seed 99)
                 base = {}
                 for path, url in (("direct", srv.base_url), ("gateway", gw.base_url)):
                     if path == "gateway" and "gateway" not in modes:
                         continue
-                    base[path] = clients.victim(url, seconds, min_requests, seed=1)["latencies"]
+                    base[path] = clients.victim(url, seconds, min_requests, 1)["latencies"]
                     rows.append(_row("none", path, 0, base[path], base[path], None))
                     _progress(rows[-1], t0)
                 for seed, mode in enumerate(modes, start=2):
                     path = "gateway" if mode == "gateway" else "direct"
                     url = gw.base_url if mode == "gateway" else srv.base_url
                     conns = max(1, round(CONNS[mode] * scale))
-                    res = clients.under_attack(url, mode, conns, seconds, min_requests, seed)
+                    res = clients.under_attack((url, mode, conns), (url, seconds, min_requests, seed), mode)
                     rows.append(_row(mode, path, conns, res["latencies"], base[path], res))
                     _progress(rows[-1], t0)
                     _wait_idle(llm.engine, mode)  # no row measures the last one's leftovers

@@ -25,7 +25,7 @@ What runs
         context: refused (400) only after it has been *tokenized*, off the engine thread but in
         the server's process.  Each costs the server far more CPU than an ``oversize`` one.
 
-Clients run in processes of their own (``multiprocessing``, spawn) so that their Python work does
+Clients run in processes of their own (:mod:`minikv.bench.clients`) so that their Python work does
 not take the GIL of the server's process: the server's process is what is measured.
 
 What is measured
@@ -49,13 +49,12 @@ number of cores next to the figures.
 from __future__ import annotations
 
 import json
-import math
-import multiprocessing as mp
 import os
-import queue
 import statistics
 import time
 from collections import Counter
+
+from .clients import Clients, percentile
 
 VICTIM_KEY, ATTACKER_KEY = "sk-bench-victim", "sk-bench-attacker"
 KEYS = {VICTIM_KEY: "victim", ATTACKER_KEY: "attacker"}
@@ -136,78 +135,7 @@ def _victim(base_url: str, tokens: int) -> dict:
     return {"times": times, "error": error}
 
 
-def _worker(commands, results, ready, stop) -> None:
-    """Process entry: run ``("victim", ...)`` / ``("attack", ...)`` commands until ``None``."""
-    for cmd in iter(commands.get, None):
-        try:
-            out = _victim(*cmd[1:]) if cmd[0] == "victim" else _attack(*cmd[1:], ready, stop)
-        except Exception as exc:  # noqa: BLE001 -- reported to the parent, which raises
-            out = {"error": f"{type(exc).__name__}: {exc}"}
-        results.put(out)
-
-
-class Clients:
-    """The victim's and the attacker's client processes: spawned once, reused by every row."""
-
-    def __init__(self):
-        ctx = mp.get_context("spawn")
-        self.ready, self.stop = ctx.Event(), ctx.Event()
-        self._procs = {}
-        for role in ("victim", "attacker"):
-            commands, results = ctx.Queue(), ctx.Queue()
-            proc = ctx.Process(target=_worker, args=(commands, results, self.ready, self.stop),
-                               name=f"minikv-bench-{role}", daemon=True)
-            proc.start()
-            self._procs[role] = (proc, commands, results)
-
-    def _result(self, role: str, timeout: float) -> dict:
-        try:
-            out = self._procs[role][2].get(timeout=timeout)
-        except queue.Empty:
-            raise RuntimeError(f"the {role} client did not answer within {timeout:.0f} s") from None
-        if out.get("error"):
-            raise RuntimeError(f"the {role} client failed: {out['error']}")
-        return out
-
-    def victim(self, base_url: str, tokens: int) -> dict:
-        self._procs["victim"][1].put(("victim", base_url, tokens))
-        return self._result("victim", 1800)
-
-    def under_attack(self, base_url: str, request, conns: int, tokens: int) -> dict:
-        self.ready.clear()
-        self.stop.clear()
-        self._procs["attacker"][1].put(("attack", base_url, request, conns))
-        try:
-            if not self.ready.wait(300):
-                raise RuntimeError(f"{conns} attacker connection(s) got no answer within 300 s")
-            victim = self.victim(base_url, tokens)
-        finally:
-            self.stop.set()
-        return {**victim, "attacker": self._result("attacker", 300)}
-
-    def close(self) -> None:
-        self.stop.set()
-        for proc, commands, _ in self._procs.values():
-            commands.put(None)
-        for proc, _, _ in self._procs.values():
-            proc.join(30)
-            if proc.is_alive():
-                proc.terminate()
-
-    def __enter__(self) -> "Clients":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
 # ---------------------------------------------------------------------------------- figures
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile (``q`` in 0-100): a value that was actually observed."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
-
-
 def summarize(runs: list[list[float]]) -> dict:
     """Gap statistics over the victim's streams ``runs`` (arrival times in s; gaps pooled)."""
     gaps = [(b - a) * 1000 for ts in runs for a, b in zip(ts, ts[1:])]
@@ -236,7 +164,8 @@ def measure(llm, limits, clients: Clients, attackers=(1, 4, 16), kinds=("oversiz
             for kind, n in plan:
                 c0, w0 = time.process_time(), time.perf_counter()
                 if n:
-                    res = clients.under_attack(srv.base_url, requests[kind], n, victim_tokens)
+                    res = clients.under_attack((srv.base_url, requests[kind], n), (srv.base_url, victim_tokens),
+                                               f"{kind} x{n}", ready_s=300)
                     attacks[kind, n].append(res["attacker"])
                 else:
                     res = clients.victim(srv.base_url, victim_tokens)
@@ -270,7 +199,7 @@ def bench_fairness(llm, attackers=(1, 4, 16), kinds=("oversize", "overlong"), vi
 
     t0 = time.perf_counter()
     configs = {"default limits": ServeLimits(), "rate limit off": replace(ServeLimits(), requests_per_s=None)}
-    with Clients() as clients:
+    with Clients(_victim, _attack) as clients:
         rows = [{"limits": label, **row} for label, lim in configs.items()
                 for row in measure(llm, lim, clients, attackers, kinds, victim_tokens, rounds)]
     return {"rows": rows, "limits": {k: asdict(v) for k, v in configs.items()}, "victim_tokens": victim_tokens,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from minikv import LLM, SamplingParams
 from minikv.engine.block_manager import BlockManager
-from minikv.engine.scheduler import Scheduler
+from minikv.engine.scheduler import CONTENDED_LINGER_S, Scheduler
 from minikv.engine.sequence import Sequence
 
 
@@ -169,7 +169,8 @@ def test_engine_serves_the_single_request_in_the_first_step_with_unchanged_token
 
 
 def test_the_contended_budget_applies_only_while_tenants_compete():
-    sched = Scheduler(BlockManager(4096, 4), 64, 256, contended_budget=32)
+    now = [0.0]
+    sched = Scheduler(BlockManager(4096, 4), 64, 256, contended_budget=32, clock=lambda: now[0])
     sched.add(_seq("A0", "A", n_prompt=2000, max_tokens=2))
     sizes = [_step(sched).num_tokens for _ in range(2)]
     assert sizes == [256, 256], "a tenant alone gets the full budget"
@@ -178,6 +179,12 @@ def test_the_contended_budget_applies_only_while_tenants_compete():
         batch = _step(sched)
         assert batch.num_tokens <= 32 and any(s.tenant == "A" for s in batch.chunks), batch.num_tokens
     assert "B0" not in {s.request_id for s in sched.running}  # B finished
+    now[0] += CONTENDED_LINGER_S / 2  # B's next request is a round trip away: A's steps stay small
+    assert _step(sched).num_tokens <= 32, "B still competes just after its request ended"
+    sched.add(_seq("B1", "B", n_prompt=10, max_tokens=1))
+    batch = _step(sched)
+    assert batch.num_tokens <= 32 and "B1" in {s.request_id for s in batch.prefills}, "B goes first, in a small step"
+    now[0] += CONTENDED_LINGER_S + 0.01  # B has been gone for longer than the linger
     assert _step(sched).num_tokens == 256, "alone again: the full budget"
     unset = Scheduler(BlockManager(4096, 4), 64, 256)  # no contended budget: the full one always
     unset.add(_seq("A0", "A", n_prompt=600))

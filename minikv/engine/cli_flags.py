@@ -63,8 +63,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = True
     g.add_argument("--max-num-batched-tokens", type=positive_int,
                    help="token budget per step: decodes, then prefill chunks (minikv serve: 512 on a CPU; otherwise 4096)")
     g.add_argument("--contended-num-batched-tokens", type=positive_int,
-                   help="the step budget while two or more tenants have work (minikv serve: 32 on a CPU, 512 on "
-                        "CUDA; otherwise the same as --max-num-batched-tokens)")
+                   help="the step budget while two or more tenants have had work in the last second (minikv "
+                        "serve: 32 on a CPU, 512 on CUDA; otherwise the same as --max-num-batched-tokens)")
     g.add_argument("--max-model-len", type=positive_int, help="longest sequence (default: the model's)")
     g.add_argument("--kv-cache-memory-gb", type=float, help="KV pool budget when --num-blocks is not given")
     g.add_argument("--attention-backend", type=_backend_name, choices=ATTENTION_BACKENDS,

@@ -48,8 +48,8 @@ class EngineConfig:
         num_blocks: blocks in the pool; None sizes the pool from ``kv_cache_memory_gb``.
         max_num_seqs: most sequences running at once (the batch size cap).
         max_num_batched_tokens: the token budget of one step (decodes, then prefill chunks).
-        contended_num_batched_tokens: the step budget while two or more tenants have work (None:
-            ``max_num_batched_tokens`` always); a server's knob, see ``scheduler.py``.
+        contended_num_batched_tokens: the step budget while two or more tenants have had work in the
+            last second (None: ``max_num_batched_tokens`` always); a server's knob, see ``scheduler.py``.
         max_model_len: longest sequence (prompt + output); None = the model's context.
         enable_prefix_caching: reuse the KV of identical full prefix blocks.
         seed: seeds the engine RNG used by requests that set no seed of their own.

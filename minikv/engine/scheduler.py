@@ -59,17 +59,24 @@ how long the step takes, and everyone's decode waits for it.  On a CPU a step's 
 its tokens, so one tenant's long prompts stretch every other tenant's steps however fair the
 order.  A small budget fixes that, but costs a lone long prompt dearly (each chunk is a step, with
 a step's overheads).  So ``contended_budget`` (``contended_num_batched_tokens``), when set, is
-the budget of the steps in which two or more tenants have work; a tenant alone gets the full one.
+the budget of the steps in which two or more tenants compete; a tenant alone gets the full one.
+A tenant still *competes* for :data:`CONTENDED_LINGER_S` after its last work: a client that sends
+requests one after another is between two of them for a round trip, and if the budget sprang back
+the moment its request ended, each next request would find a full-budget step in flight.
 """
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
 from .block_manager import BlockManager
 from .sequence import Sequence, SequenceStatus
+
+#: seconds a tenant counts as competing after it last had work (see the module docstring)
+CONTENDED_LINGER_S = 1.0
 
 
 @dataclass
@@ -92,7 +99,8 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 on_admit: Callable[[Sequence], None] | None = None, contended_budget: int | None = None):
+                 on_admit: Callable[[Sequence], None] | None = None, contended_budget: int | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         self.bm = block_manager
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.contended_budget = contended_budget
@@ -103,6 +111,8 @@ class Scheduler:
         self._last_turn: dict[str | None, int] = {}  # tenant -> when it last got a chunk
         self._turns = itertools.count()
         self._busy: set[str | None] = set()  # tenants with work at the last step
+        self._seen: dict[str | None, float] = {}  # tenant -> when it last had work (clock())
+        self._clock = clock
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -163,8 +173,8 @@ class Scheduler:
         return batch
 
     def budget(self) -> int:
-        """This step's token budget: the contended one while two or more tenants have work."""
-        if self.contended_budget is not None and len(self._busy) > 1:
+        """This step's token budget: the contended one while two or more tenants compete."""
+        if self.contended_budget is not None and len(self._seen) > 1:
             return min(self.contended_budget, self.max_num_batched_tokens)
         return self.max_num_batched_tokens
 
@@ -220,6 +230,9 @@ class Scheduler:
         for tenant in busy - self._busy:
             self.served[tenant] = max(self.served.get(tenant, 0), floor)
         self._busy = busy
+        now = self._clock()
+        self._seen = {t: when for t, when in self._seen.items() if now - when <= CONTENDED_LINGER_S}
+        self._seen.update(dict.fromkeys(busy, now))
         if len(self.served) > 4 * len(busy) + 64:  # forget tenants long gone (bounded memory)
             self.served = {t: n for t, n in self.served.items() if t in busy}
             self._last_turn = {t: n for t, n in self._last_turn.items() if t in busy}

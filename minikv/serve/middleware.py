@@ -21,11 +21,10 @@ All are pure ASGI (not ``BaseHTTPMiddleware``, which breaks streaming disconnect
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
-
-import anyio
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -139,13 +138,31 @@ class GuardedStreamingResponse(StreamingResponse):
         try:
             if scope["type"] != "http":
                 return await super().__call__(scope, receive, send)
-            async with anyio.create_task_group() as group:
-                async def respond():
-                    with contextlib.suppress(OSError):  # the client left between two events
-                        await self.stream_response(send)
-                    group.cancel_scope.cancel()
-                group.start_soon(respond)
-                await self.listen_for_disconnect(receive)
-                group.cancel_scope.cancel()
+            finished = await until_hangup(self._stream(send), receive)
+            if finished is not None:
+                finished.result()  # a real error while streaming still surfaces
         finally:
             await self._cleanup()
+
+    async def _stream(self, send) -> None:
+        with contextlib.suppress(OSError):  # the client left between two events
+            await self.stream_response(send)
+
+
+async def until_hangup(work, receive) -> asyncio.Future | None:
+    """Run the awaitable ``work`` until it ends or the client hangs up (ASGI ``http.disconnect``
+    on ``receive``), whichever comes first, and cancel the other.  Returns ``work``'s finished task
+    (call ``.result()``), or None if the client left first."""
+    async def hangup():
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(hangup())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        return task if task.done() else None
+    finally:
+        for t in (task, watcher):
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)

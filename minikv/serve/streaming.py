@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from fastapi.responses import JSONResponse, Response
 
-from .middleware import GuardedStreamingResponse
+from .middleware import GuardedStreamingResponse, until_hangup
 from .protocol import APIError, error_body
 from .errors import EngineUnavailable, RequestFailed
 
@@ -68,14 +68,6 @@ def sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
-async def wait_disconnect(request: Request) -> None:
-    """Return once the client has hung up (ASGI ``http.disconnect``)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
 async def run_to_end(stream, request: Request):
     """The final output of a non-streaming request; aborts it if the client goes away."""
     async def collect():
@@ -83,21 +75,15 @@ async def run_to_end(stream, request: Request):
         async for out in stream:
             last = out
         return last
-    task = asyncio.ensure_future(collect())
-    watcher = asyncio.ensure_future(wait_disconnect(request))
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if not task.done():
+        finished = await until_hangup(collect(), request.receive)
+        if finished is None:
             raise _ClientGone()
         try:
-            return task.result()
+            return finished.result()
         except EngineUnavailable as exc:
             raise APIError(503, str(exc), "server_error", code="engine_unavailable") from None
     finally:
-        for t in (task, watcher):
-            if not t.done():
-                t.cancel()
-        await asyncio.gather(task, watcher, return_exceptions=True)
         await stream.aclose()
 
 

@@ -18,14 +18,17 @@ from minikv.serve.middleware import GuardedStreamingResponse
 SCOPE = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "method": "POST", "path": "/"}
 
 
-def _call(body, receive, spec="2.4", timeout=5.0):
-    """Run one response to its end; returns (cleanups, messages sent)."""
+def _call(body, receive, spec="2.4", fail_after=None, timeout=5.0):
+    """Run one response to its end; returns (cleanups, messages sent).  ``fail_after=n``: every
+    body send after the first ``n`` messages raises OSError, as when the client's socket is gone."""
     cleanups, sent = [], []
 
     async def cleanup():
         cleanups.append(True)
 
     async def send(message):
+        if fail_after is not None and message["type"] == "http.response.body" and len(sent) >= fail_after:
+            raise OSError("connection reset")
         sent.append(message)
 
     async def main():
@@ -81,19 +84,5 @@ def test_a_send_that_fails_mid_stream_still_cleans_up():
         await asyncio.sleep(3600)
         return {"type": "http.disconnect"}
 
-    cleanups, sent = [], []
-
-    async def cleanup():
-        cleanups.append(True)
-
-    async def send(message):
-        if message["type"] == "http.response.body" and len(sent) >= 2:
-            raise OSError("connection reset")
-        sent.append(message)
-
-    async def main():
-        response = GuardedStreamingResponse(body(), cleanup, media_type="text/event-stream")
-        await asyncio.wait_for(response(dict(SCOPE), receive, send), 5)
-
-    asyncio.run(main())
+    cleanups, sent = _call(body, receive, fail_after=2)
     assert cleanups == [True] and len(sent) == 2
